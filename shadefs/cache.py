@@ -1,0 +1,193 @@
+"""Where a file's bytes are: the RAM tier, its byte accounting, admission and eviction.
+
+The cache decides hit or miss when a regular file is opened (one sample = one file),
+fetches misses whole from the source (one fetch per file at a time, however many readers
+open it concurrently), and asks the policy whether the fetched bytes may stay and what to
+evict for them. It never chooses victims itself.
+
+Files larger than `max_entry` are not cached: they are read through (pass-through) with
+positional reads on a source descriptor, so they read correctly whatever the budget.
+
+Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
+the code between two awaits is a critical section. The only await is the source fetch in
+`_fetch`; after it, the state is re-read rather than trusted from before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from shadefs.metrics import Metrics
+from shadefs.policy import Policy
+from shadefs.source import Source
+
+log = logging.getLogger(__name__)
+
+
+def signature(st: os.stat_result) -> tuple[int, int, int]:
+    """The source identity an entry was cached under: (size, mtime_ns, inode)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class Entry:
+    """A resident file: its bytes and the signature of the source file they came from."""
+
+    __slots__ = ("data", "sig")
+
+    def __init__(self, data: bytes, sig: tuple[int, int, int]) -> None:
+        self.data = data
+        self.sig = sig
+
+
+class _Flight:
+    __slots__ = ("done", "data", "error", "waiters")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.waiters = 0
+
+
+class Cache:
+    """The RAM tier under a byte budget that is never exceeded (counting file bytes).
+
+    :capacity: the budget in bytes
+    :max_entry: files larger than this are read through, never cached
+    :used: bytes of resident file data
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        policy: Policy,
+        metrics: Metrics,
+        *,
+        capacity: int,
+        max_entry: int | None = None,
+    ) -> None:
+        self.source = source
+        self.policy = policy
+        self.metrics = metrics
+        self.capacity = capacity
+        self._max_entry = max_entry
+        self.entries: dict[int, Entry] = {}
+        self.used = 0
+        self.admitted = 0
+        self.evictions = 0
+        self.refused = 0
+        self.shared_fetches = 0
+        self._flights: dict[int, _Flight] = {}
+
+    @property
+    def max_entry(self) -> int:
+        # By default a single file may take an eighth of the budget: larger ones would
+        # push out many small samples for one read (and pass through instead).
+        if self._max_entry is not None:
+            return min(self._max_entry, self.capacity)
+        return min(self.capacity // 8, 256 << 20)
+
+    # --- the data path ----------------------------------------------------------------
+
+    async def open(self, key: int, path: bytes, st: os.stat_result) -> bytes | None:
+        """The file's bytes for a new handle, or None when it must be read through."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            if entry.sig == signature(st):
+                self.metrics.hits += 1
+                self.policy.accessed(key, True)
+                return entry.data
+            log.debug("entry for %r is stale, dropping it", path)
+            self._remove(key)
+        self.metrics.misses += 1
+        self.policy.accessed(key, False)
+        if st.st_size > self.max_entry:
+            self.metrics.passthrough_opens += 1
+            return None
+        return await self._fetch(key, path)
+
+    async def _fetch(self, key: int, path: bytes) -> bytes:
+        flight = self._flights.get(key)
+        if flight is not None:
+            # Someone is already fetching this file: wait for their bytes.
+            self.shared_fetches += 1
+            flight.waiters += 1
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.data is not None
+            return flight.data
+        flight = self._flights[key] = _Flight()
+        try:
+            data, st = await self.source.read_file(path)
+            flight.data = data
+        except BaseException as exc:
+            flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
+            if flight.error is None:
+                # Cancellation or a bug: waiters get EIO, the original exception propagates.
+                flight.error = pyfuse3.FUSEError(5)
+            raise
+        finally:
+            del self._flights[key]
+            flight.done.set()
+        self._admit(key, data, signature(st))
+        return data
+
+    def _admit(self, key: int, data: bytes, sig: tuple[int, int, int]) -> None:
+        size = len(data)
+        if size > self.max_entry:
+            return
+        if key in self.entries:
+            self._remove(key)
+        victims = self.policy.admit(key, size, self.capacity - self.used)
+        if victims is None:
+            self.refused += 1
+            return
+        for victim in victims:
+            self._remove(victim)
+            self.evictions += 1
+        if self.used + size > self.capacity:
+            # A policy bug must not break the budget: refuse rather than overshoot.
+            log.error("policy %s returned too few victims; refusing", self.policy.name)
+            self.refused += 1
+            return
+        self.entries[key] = Entry(data, sig)
+        self.used += size
+        self.admitted += 1
+        self.policy.inserted(key, size)
+
+    def _remove(self, key: int) -> None:
+        entry = self.entries.pop(key)
+        self.used -= len(entry.data)
+        self.policy.removed(key)
+
+    # --- control ----------------------------------------------------------------------
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the budget; shrinking evicts at once, in the policy's order."""
+        self.capacity = capacity
+        if self.used > capacity:
+            for victim in self.policy.shrink(self.used - capacity):
+                self._remove(victim)
+                self.evictions += 1
+        # Entries that are now above max_entry stay until evicted: they are still valid.
+
+    def set_policy(self, policy: Policy) -> None:
+        """Switch policies, handing the new one every resident entry."""
+        for key, entry in self.entries.items():
+            policy.inserted(key, len(entry.data))
+        self.policy = policy
+
+    def drop(self) -> int:
+        """Forget every resident entry; returns the number dropped."""
+        n = len(self.entries)
+        for key in list(self.entries):
+            self._remove(key)
+        return n
+
+    def resident(self, key: int) -> bool:
+        return key in self.entries

@@ -1,0 +1,299 @@
+"""The `shadefs` command line: mount, umount, stat, ctl, demo.
+
+Expected failures print one line (`shadefs: error: ...`) and exit with the code documented
+in common.py; only bugs produce a traceback (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shadefs import __version__
+from shadefs.common import (
+    EXIT_INTERNAL,
+    EXIT_NOT_SHADEFS,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    QuietError,
+    parse_size,
+)
+
+log = logging.getLogger(__name__)
+
+# Words that belong to fstab/mount(8), not to shadefs: accepted and ignored.
+_FSTAB_WORDS = {
+    "defaults", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "rw", "ro",
+    "suid", "nosuid", "dev", "nodev", "exec", "noexec", "sync", "async", "relatime",
+    "norelatime", "strictatime", "owner", "group",
+}  # fmt: skip
+# -o name -> (option attribute, takes a value)
+_O_OPTIONS = {
+    "ram": ("ram", True),
+    "policy": ("policy", True),
+    "max_entry": ("max_entry", True),
+    "allow_other": ("allow_other", False),
+    "log_level": ("log_level", True),
+    "log": ("log", True),
+    "source_timeout": ("source_timeout", True),
+    "source_threads": ("source_threads", True),
+}
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shadefs",
+        description="A caching filesystem for deep-learning training data.",
+    )
+    p.add_argument("--version", action="version", version=f"shadefs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("mount", help="mount SRC on MNT with a cache in front of it")
+    m.add_argument("source", metavar="SRC", help="the dataset tree (e.g. an NFS mount)")
+    m.add_argument("mountpoint", metavar="MNT", help="an empty directory to mount on")
+    m.add_argument("-f", "--foreground", action="store_true", help="stay attached")
+    m.add_argument(
+        "--ram", type=_size, help="RAM budget, e.g. 16G (default: 1/4 of available memory)"
+    )
+    m.add_argument("--policy", choices=["epoch", "lru"], help="eviction policy (default epoch)")
+    m.add_argument(
+        "--max-entry", type=_size, help="files larger than this are read through, not cached"
+    )
+    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("-o", dest="opts", action="append", default=[], help="fstab-style options")
+    m.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    m.add_argument("--log", help="log file, 'syslog', 'stderr' or 'none'")
+    m.add_argument("--source-timeout", type=float, help="seconds before a source call is EIO")
+    m.add_argument("--systemd", action="store_true", help="run as a Type=notify service")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    u = sub.add_parser("umount", help="unmount MNT and wait for its daemon to exit")
+    u.add_argument("mountpoint", metavar="MNT")
+    u.add_argument("-z", "--lazy", action="store_true", help="lazy unmount (detach now)")
+    u.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
+
+    s = sub.add_parser("stat", help="show the cache statistics of a mount")
+    s.add_argument("mountpoint", metavar="MNT")
+    s.add_argument("--json", action="store_true", help="print stats.json")
+
+    c = sub.add_parser("ctl", help="send a control command to a mount")
+    c.add_argument("mountpoint", metavar="MNT")
+    c.add_argument("words", nargs="+", metavar="COMMAND", help="e.g.  ram 8G")
+
+    d = sub.add_parser("demo", help="mount a bundled dataset and show what the cache does")
+    d.add_argument("--dataset", help="an ImageFolder tree to use instead of the bundled one")
+    d.add_argument("--epochs", type=int, default=5)
+    d.add_argument("--workdir", help="where to put the dataset and mounts (default: a temp dir)")
+    return p
+
+
+def _mount_options(args: argparse.Namespace) -> object:
+    from shadefs.mount import MountOptions, default_ram
+
+    values: dict[str, object] = {}
+    extra: list[str] = []
+    for group in args.opts:
+        for word in filter(None, (w.strip() for w in group.split(","))):
+            key, _, value = word.partition("=")
+            if key in _FSTAB_WORDS or key.startswith(("x-systemd.", "x-", "comment")):
+                continue
+            if key not in _O_OPTIONS:
+                raise QuietError(f"unknown mount option {key!r} in -o")
+            attr, takes_value = _O_OPTIONS[key]
+            if takes_value and not value:
+                raise QuietError(f"mount option {key} needs a value ({key}=...)")
+            if not takes_value and value:
+                raise QuietError(f"mount option {key} takes no value")
+            values[attr] = value if takes_value else True
+    # Command-line flags win over -o.
+    for attr in ("ram", "policy", "max_entry", "log_level", "log", "source_timeout"):
+        v = getattr(args, attr)
+        if v is not None:
+            values[attr] = v
+    if args.allow_other:
+        values["allow_other"] = True
+    try:
+        for attr in ("ram", "max_entry"):
+            if isinstance(values.get(attr), str):
+                values[attr] = parse_size(values[attr])  # type: ignore[arg-type]
+        if isinstance(values.get("source_timeout"), str):
+            values["source_timeout"] = float(values["source_timeout"])  # type: ignore[arg-type]
+        if isinstance(values.get("source_threads"), str):
+            values["source_threads"] = int(values["source_threads"])  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise QuietError(str(exc)) from None
+    if values.get("policy", "epoch") not in ("epoch", "lru"):
+        raise QuietError(f"unknown policy {values['policy']!r} (choose epoch or lru)")
+    if values.get("log_level", "info") not in ("debug", "info", "warning", "error"):
+        raise QuietError(f"unknown log level {values['log_level']!r}")
+    if values.get("ram") is None:
+        values["ram"] = default_ram()
+    return MountOptions(
+        source=args.source,
+        mountpoint=args.mountpoint,
+        foreground=args.foreground or args.systemd,
+        systemd=args.systemd,
+        extra_fuse=extra,
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
+    from shadefs.mount import check_environment, run_daemon, spawn_background
+
+    opts = _mount_options(args)
+    check_environment(opts)  # type: ignore[arg-type]
+    if opts.foreground:  # type: ignore[attr-defined]
+        return run_daemon(opts, args.ready_fd)  # type: ignore[arg-type]
+    return spawn_background(argv, opts)  # type: ignore[arg-type]
+
+
+def _control_dir(mountpoint: str) -> Path:
+    ctl = Path(mountpoint) / ".shadefs"
+    try:
+        ctl.stat()
+    except FileNotFoundError:
+        raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise QuietError(
+                f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
+                EXIT_NOT_SHADEFS,
+            ) from None
+        raise QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
+    return ctl
+
+
+def read_stats(mountpoint: str) -> dict[str, object]:
+    """stats.json of a mount (also used by tools/ and tests)."""
+    return json.loads((_control_dir(mountpoint) / "stats.json").read_bytes())
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    ctl = _control_dir(args.mountpoint)
+    name = "stats.json" if args.json else "stats"
+    sys.stdout.write((ctl / name).read_text())
+    return 0
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    ctl = _control_dir(args.mountpoint) / "ctl"
+    line = " ".join(args.words) + "\n"
+    fd = os.open(ctl, os.O_WRONLY)
+    try:
+        os.write(fd, line.encode())
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        result = _last_result(ctl)
+        raise QuietError(f"rejected: {result}", EXIT_REJECTED) from None
+    finally:
+        os.close(fd)
+    print(_last_result(ctl))
+    return 0
+
+
+def _last_result(ctl: Path) -> str:
+    for line in ctl.read_text().splitlines():
+        if line.startswith("# last write: "):
+            return line[len("# last write: ") :]
+    return "unknown"
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    pid = None
+    try:
+        pid = int(read_stats(mnt)["pid"])  # type: ignore[arg-type]
+    except (QuietError, OSError, ValueError, KeyError):
+        pass  # a dead daemon (ENOTCONN) is unmounted all the same
+    if not os.path.ismount(mnt):
+        try:
+            os.stat(mnt)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise QuietError(f"{mnt}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
+        else:
+            raise QuietError(f"{mnt} is not mounted", EXIT_NOT_SHADEFS)
+    cmd = ["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        msg = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
+        raise QuietError(f"unmounting {mnt}: {msg}", EXIT_NOT_SHADEFS)
+    if pid is not None:
+        deadline = time.monotonic() + args.timeout
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise QuietError(
+                    f"unmounted, but daemon {pid} is still running after {args.timeout:.0f} s",
+                    EXIT_NOT_SHADEFS,
+                )
+            time.sleep(0.05)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shadefs.demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args, argv)
+        if args.command == "umount":
+            return cmd_umount(args)
+        if args.command == "stat":
+            return cmd_stat(args)
+        if args.command == "ctl":
+            return cmd_ctl(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+    except QuietError as exc:
+        print(f"shadefs: error: {exc}", file=sys.stderr)
+        return exc.exitcode
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        logging.exception("internal error")
+        sys.exit(EXIT_INTERNAL)

@@ -1,0 +1,236 @@
+"""The pyfuse3 `Operations`: a read-only mirror of the source with a caching data path.
+
+Kernel request -> here -> namespace (which file) -> cache (where its bytes are) -> source
+(only on a miss). This module makes no policy decision and does no blocking I/O itself.
+
+Speed rules (DESIGN.md §2.5): entry and attribute timeouts are long (the tree is
+read-only), readdir answers with attributes (pyfuse3 always uses readdirplus), a resident
+file is opened with keep_cache so the kernel page cache serves repeated reads without
+asking us, and a cache hit never leaves the trio thread. `flush` is left unimplemented:
+pyfuse3 answers ENOSYS, after which the kernel stops sending it at all, which saves one
+round trip per close.
+
+Every write-type operation fails with EROFS; only the control file takes writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+
+from shadefs.cache import Cache
+from shadefs.control import DIR_INODE, NAME, Control
+from shadefs.metrics import Metrics
+from shadefs.namespace import ROOT_INODE, Namespace
+from shadefs.source import Source
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+def _erofs() -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(errno.EROFS)
+
+
+class Operations(pyfuse3.Operations):
+    """Request handlers. `handles` maps an open file to its bytes or a source descriptor."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(
+        self, ns: Namespace, cache: Cache, control: Control, metrics: Metrics, source: Source
+    ) -> None:
+        super().__init__()
+        self.ns = ns
+        self.cache = cache
+        self.control = control
+        self.metrics = metrics
+        self.source = source
+        self._mem: dict[int, memoryview] = {}
+        self._fds: dict[int, int] = {}
+        self._next_fh = 1
+
+    # --- namespace --------------------------------------------------------------------
+
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        if parent_inode == ROOT_INODE and name == NAME or Control.owns(parent_inode):
+            return self.control.lookup(parent_inode, name)
+        ino, st = await self.ns.lookup(parent_inode, name)
+        return self.ns.attrs(ino, st)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        self.ns.forget(inode_list)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if Control.owns(inode):
+            return self.control.attrs(inode)
+        return self.ns.attrs(inode, self.ns.node(inode).st)
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.ns.node(inode)
+        if not stat.S_ISLNK(node.st.st_mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return await self.source.readlink(node.path)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if inode == DIR_INODE:
+            self.control.check_access(ctx)
+            return inode
+        # List now, so that readdir (and errors) come from one snapshot.
+        await self.ns.listing(inode)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        if fh == DIR_INODE:
+            for i, (name, attrs) in enumerate(self.control.listing()):
+                if i >= start_id and not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+                    break
+            return
+        listing = await self.ns.listing(fh)
+        node = self.ns.node(fh)
+        ppath = node.path
+        # "." and ".." come first. The kernel takes no reference for them, so they are not
+        # counted as lookups; ".." carries the directory's own attributes (the parent is
+        # not tracked), which only `ls -ai` would notice.
+        if start_id < 2:
+            dot = self.ns.attrs(fh, node.st)
+            for i, name in ((0, b"."), (1, b"..")):
+                if i >= start_id and not pyfuse3.readdir_reply(token, name, dot, i + 1):
+                    return
+            start_id = 2
+        ino_of, attrs, remember = self.ns.ino_of, self.ns.attrs, self.ns.remember
+        for i in range(start_id - 2, len(listing.names)):
+            name, st = listing.names[i], listing.stats[i]
+            ino = ino_of(st)
+            if not pyfuse3.readdir_reply(token, name, attrs(ino, st), i + 3):
+                break
+            # An accepted readdirplus entry is a lookup: the kernel will forget it later.
+            remember(ino, ppath + b"/" + name if ppath else name, st)
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        sv = await self.source.statvfs()
+        out = pyfuse3.StatvfsData()
+        for field in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
+            setattr(out, field, getattr(sv, field))
+        return out
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if Control.owns(inode):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return await self.source.getxattr(self.ns.node(inode).path, name)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if Control.owns(inode):
+            return []
+        return await self.source.listxattr(self.ns.node(inode).path)
+
+    # --- data -------------------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if Control.owns(inode):
+            return self.control.open(inode, flags, ctx)
+        if flags & _WRITE_FLAGS:
+            raise _erofs()
+        node = self.ns.node(inode)
+        if not stat.S_ISREG(node.st.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(node.st.st_mode) else errno.EIO)
+        data = await self.cache.open(inode, node.path, node.st)
+        fh = self._next_fh
+        self._next_fh += 1
+        if data is not None:
+            self._mem[fh] = memoryview(data)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        self._fds[fh] = await self.source.open_fd(node.path)
+        # Pass-through files are not resident: do not let the kernel keep stale pages.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        mv = self._mem.get(fh)
+        if mv is not None:
+            chunk = mv[off : off + size]
+        elif fh in self._fds:
+            chunk = await self.source.pread(self._fds[fh], size, off)
+        else:
+            return self.control.read(fh, off, size)
+        self.metrics.bytes_served += len(chunk)
+        return chunk
+
+    async def release(self, fh: int) -> None:
+        if self._mem.pop(fh, None) is not None:
+            return
+        fd = self._fds.pop(fh, None)
+        if fd is not None:
+            await self.source.close_fd(fd)
+        elif self.control.owns_handle(fh):
+            self.control.release(fh)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if self.control.owns_handle(fh):
+            return self.control.write(fh, buf)
+        raise _erofs()
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        # `echo cmd > ctl` truncates first; truncating a control file is a no-op.
+        if Control.owns(inode) and inode != DIR_INODE and not fields.update_mode:
+            return self.control.attrs(inode)
+        raise _erofs()
+
+    # --- everything that would change the tree ------------------------------------------
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def rename(self, parent_old, name_old, parent_new, name_new, flags, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()
+
+    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _erofs()

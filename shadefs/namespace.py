@@ -1,0 +1,189 @@
+"""The inode <-> path table, stat snapshots and directory listings.
+
+Inode numbers are derived from the source's own (st_dev, st_ino): an entry on the source
+root's device gets `st_ino + INO_OFFSET`, anything else (a filesystem mounted inside the
+source) gets a number from a separate counter that is remembered for the life of the mount.
+So an inode keeps its number after the kernel forgets it and looks it up again, and the
+table only holds what the kernel currently references: `forget` removes entries whose
+lookup count drops to zero, and a million-file tree costs nothing until it is walked.
+
+The tree is read-only: a directory is listed once (names plus lstat, in one worker thread)
+and the snapshot answers readdir, lookup and negative lookup of its children without going
+back to the source. Snapshots live as long as the kernel references their directory.
+Revalidation against the source is the job of a later layer (see docs/developer-notes.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from shadefs.source import Source
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = pyfuse3.ROOT_INODE
+# Inodes 2..INO_OFFSET-1 belong to the control directory (see control.py).
+INO_OFFSET = 16
+_FOREIGN_BASE = 1 << 62
+_MAX_INO = (1 << 64) - 1
+
+
+class Node:
+    """A looked-up entry: its path relative to the source root and its stat snapshot."""
+
+    __slots__ = ("path", "st", "lookups")
+
+    def __init__(self, path: bytes, st: os.stat_result, lookups: int) -> None:
+        self.path = path
+        self.st = st
+        self.lookups = lookups
+
+
+@dataclass(slots=True)
+class Listing:
+    """A directory snapshot: sorted names and their lstat results."""
+
+    names: list[bytes]
+    stats: list[os.stat_result]
+    index: dict[bytes, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {name: i for i, name in enumerate(self.names)}
+
+
+class Namespace:
+    """Maps FUSE inodes to source paths and serves attributes from snapshots."""
+
+    def __init__(self, source: Source, *, timeout: float = 3600.0) -> None:
+        self.source = source
+        self.timeout = timeout
+        root_st = os.lstat(source.root)
+        if not stat.S_ISDIR(root_st.st_mode):
+            raise NotADirectoryError(source.root)
+        self.dev = root_st.st_dev
+        self.root_ino = root_st.st_ino
+        self.nodes: dict[int, Node] = {ROOT_INODE: Node(b"", root_st, 1)}
+        self.listings: dict[int, Listing] = {}
+        self._foreign: dict[tuple[int, int], int] = {}
+        self._listing_flights: dict[int, trio.Event] = {}
+
+    # --- inode numbers ----------------------------------------------------------------
+
+    def ino_of(self, st: os.stat_result) -> int:
+        if st.st_dev == self.dev:
+            if st.st_ino == self.root_ino:
+                return ROOT_INODE
+            ino = st.st_ino + INO_OFFSET
+            if ino < _FOREIGN_BASE:
+                return ino
+        key = (st.st_dev, st.st_ino)
+        ino = self._foreign.get(key)
+        if ino is None:
+            ino = _FOREIGN_BASE + len(self._foreign)
+            if ino > _MAX_INO:
+                raise pyfuse3.FUSEError(errno.EOVERFLOW)
+            self._foreign[key] = ino
+        return ino
+
+    # --- lookups ----------------------------------------------------------------------
+
+    def node(self, ino: int) -> Node:
+        try:
+            return self.nodes[ino]
+        except KeyError:
+            # The kernel only asks about inodes it looked up; anything else is stale.
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+
+    async def lookup(self, parent: int, name: bytes) -> tuple[int, os.stat_result]:
+        """Resolve `name` in `parent`, count one kernel reference and return (ino, st)."""
+        pnode = self.node(parent)
+        path = pnode.path + b"/" + name if pnode.path else name
+        listing = self.listings.get(parent)
+        if listing is not None:
+            i = listing.index.get(name)
+            if i is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            st = listing.stats[i]
+        else:
+            st = await self.source.lstat(path)
+        ino = self.ino_of(st)
+        self.remember(ino, path, st)
+        return ino, st
+
+    def remember(self, ino: int, path: bytes, st: os.stat_result) -> None:
+        """Count one kernel reference to `ino` (from lookup or an accepted readdirplus entry)."""
+        node = self.nodes.get(ino)
+        if node is None:
+            self.nodes[ino] = Node(path, st, 1)
+        else:
+            node.lookups += 1
+            node.st = st
+
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        for ino, n in items:
+            node = self.nodes.get(ino)
+            if node is None or ino == ROOT_INODE:
+                continue
+            node.lookups -= n
+            if node.lookups <= 0:
+                del self.nodes[ino]
+                self.listings.pop(ino, None)
+
+    # --- directories ------------------------------------------------------------------
+
+    async def listing(self, ino: int) -> Listing:
+        """The directory's snapshot, listing the source once even under concurrent opens."""
+        while True:
+            listing = self.listings.get(ino)
+            if listing is not None:
+                return listing
+            flight = self._listing_flights.get(ino)
+            if flight is None:
+                break
+            await flight.wait()
+        node = self.node(ino)
+        if not stat.S_ISDIR(node.st.st_mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        flight = self._listing_flights[ino] = trio.Event()
+        try:
+            entries = await self.source.listdir(node.path)
+        finally:
+            del self._listing_flights[ino]
+            flight.set()
+        listing = Listing([e[0] for e in entries], [e[1] for e in entries])
+        # The kernel may have forgotten the directory while we listed it.
+        if ino in self.nodes:
+            self.listings[ino] = listing
+        return listing
+
+    def child_path(self, parent: int, name: bytes) -> bytes:
+        ppath = self.nodes[parent].path
+        return ppath + b"/" + name if ppath else name
+
+    # --- attributes -------------------------------------------------------------------
+
+    def attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
+        a.st_mode = st.st_mode
+        a.st_nlink = st.st_nlink
+        a.st_uid = st.st_uid
+        a.st_gid = st.st_gid
+        a.st_rdev = st.st_rdev
+        a.st_size = st.st_size
+        a.st_blksize = st.st_blksize
+        a.st_blocks = st.st_blocks
+        a.st_atime_ns = st.st_atime_ns
+        a.st_mtime_ns = st.st_mtime_ns
+        a.st_ctime_ns = st.st_ctime_ns
+        return a

@@ -1,0 +1,214 @@
+"""Cache policies: pure decision objects that never do I/O and never take locks.
+
+The cache tells a policy what happens (`inserted`, `removed`, `accessed`) and asks it two
+questions: may this miss be admitted, and if so which resident entries make room for it
+(`admit`); and which entries to drop to free bytes when the budget shrinks (`shrink`).
+Keys are opaque ints (the cache uses inode numbers), sizes are bytes.
+
+`lru` is the baseline. `epoch` is the default (DESIGN.md fact 1): under shuffled epochs
+every file is read once per epoch, so the best any demand cache can do is keep a fixed
+set until it has been read this epoch (hit ratio f = cache/dataset, the bound that
+Belady's MIN also reaches), while LRU thrashes (about f^2/2). Later policies (importance,
+clairvoyant) implement the same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
+
+class Policy(ABC):
+    """What every policy answers. All methods are O(1) or O(victims) and never block."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def inserted(self, key: int, size: int) -> None:
+        self.sizes[key] = size
+
+    def removed(self, key: int) -> None:
+        self.sizes.pop(key, None)
+
+    @abstractmethod
+    def accessed(self, key: int, hit: bool) -> None:
+        """An open of `key` (one sample read); `hit` says whether it was resident."""
+
+    @abstractmethod
+    def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        """Victims to evict so that the miss `key` of `size` bytes fits, or None to refuse.
+
+        `free` is the tier's free bytes now. Returning [] means it fits as is.
+        """
+
+    @abstractmethod
+    def shrink(self, need: int) -> list[int]:
+        """Victims, in eviction order, that free at least `need` bytes (or everything)."""
+
+    def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
+        """The sampler announced epoch `epoch` (policies that infer epochs may use it)."""
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "entries": len(self.sizes)}
+
+
+class LruPolicy(Policy):
+    """Least recently used, over bytes: always admit, evict the oldest access first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def inserted(self, key: int, size: int) -> None:
+        super().inserted(key, size)
+        self._order[key] = None
+
+    def removed(self, key: int) -> None:
+        super().removed(key)
+        self._order.pop(key, None)
+
+    def accessed(self, key: int, hit: bool) -> None:
+        if hit and key in self._order:
+            self._order.move_to_end(key)
+
+    def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        return _take(iter(self._order), self.sizes, size - free)
+
+    def shrink(self, need: int) -> list[int]:
+        victims = _take(iter(self._order), self.sizes, need)
+        return list(self._order) if victims is None else victims
+
+
+class EpochPolicy(Policy):
+    """Keep what has not been read this epoch; evict what was read this epoch first.
+
+    Each resident entry remembers the epoch of its last read. Relative to the current
+    epoch E an entry is *protected* (last read in E-1: it will be read again in E),
+    *consumed* (read in E: its next read is in E+1) or *stale* (not read for a whole epoch:
+    no longer part of what the job reads). A miss is admitted into free space, or in place
+    of stale entries; it is never swapped for a consumed one, because the miss itself was
+    just consumed and the swap would be pure churn. Consumed entries go first when the
+    budget shrinks, protected ones last.
+
+    Epochs are inferred when no sampler announces them: reading a resident file that was
+    already read in the current epoch means a new pass over the data has begun. With a
+    resident fraction f the boundary is noticed after about 1/f reads of the new epoch,
+    and the misses in between are not admitted anyway, so nothing is lost.
+    """
+
+    name = "epoch"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+        self._explicit = False
+        self._last: dict[int, int] = {}
+        # Insertion-ordered buckets of keys by the epoch of their last read.
+        self._buckets: dict[int, dict[int, None]] = {}
+
+    def _place(self, key: int, epoch: int) -> None:
+        old = self._last.get(key)
+        if old is not None:
+            bucket = self._buckets[old]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[old]
+        self._last[key] = epoch
+        self._buckets.setdefault(epoch, {})[key] = None
+
+    def inserted(self, key: int, size: int) -> None:
+        super().inserted(key, size)
+        # A miss was just read, so a new entry starts out consumed.
+        self._place(key, self.epoch)
+
+    def removed(self, key: int) -> None:
+        super().removed(key)
+        old = self._last.pop(key, None)
+        if old is not None:
+            bucket = self._buckets[old]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[old]
+
+    def accessed(self, key: int, hit: bool) -> None:
+        if not hit:
+            return
+        last = self._last.get(key)
+        if last is None:
+            return
+        if last == self.epoch and not self._explicit:
+            self.epoch += 1
+            log.debug("inferred the start of epoch %d", self.epoch)
+        self._place(key, self.epoch)
+
+    def begin_epoch(self, epoch: int) -> None:
+        self._explicit = True
+        if epoch > self.epoch:
+            self.epoch = epoch
+
+    def _stale(self) -> Iterable[int]:
+        for e in sorted(self._buckets):
+            if e >= self.epoch - 1:
+                break
+            yield from self._buckets[e]
+
+    def _consumed(self) -> Iterable[int]:
+        yield from self._buckets.get(self.epoch, ())
+
+    def _protected(self) -> Iterable[int]:
+        yield from self._buckets.get(self.epoch - 1, ())
+
+    def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        return _take(self._stale(), self.sizes, size - free)
+
+    def shrink(self, need: int) -> list[int]:
+        def order() -> Iterable[int]:
+            yield from self._stale()
+            yield from self._consumed()
+            yield from self._protected()
+
+        victims = _take(order(), self.sizes, need)
+        return list(order()) if victims is None else victims
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["epoch"] = self.epoch
+        d["epoch_source"] = "sampler" if self._explicit else "inferred"
+        return d
+
+
+def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[int] | None:
+    """The shortest prefix of `candidates` whose sizes add up to `need`, or None."""
+    if need <= 0:
+        return []
+    victims = []
+    for key in candidates:
+        victims.append(key)
+        need -= sizes[key]
+        if need <= 0:
+            return victims
+    return None
+
+
+POLICIES: dict[str, type[Policy]] = {"epoch": EpochPolicy, "lru": LruPolicy}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r} (choose from {', '.join(sorted(POLICIES))})"
+        ) from None

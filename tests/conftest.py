@@ -1,0 +1,134 @@
+"""Shared fixtures: source trees, real mounts, and a fake request context.
+
+Mount tests start the real daemon through the real CLI (`shadefs mount`, which returns once
+the mount answers) and unmount with `shadefs umount`. Where FUSE is missing they skip on a
+developer machine but FAIL when the environment variable CI is set: a CI run that skipped
+them would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+def fuse_problem() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed"
+    return None
+
+
+def require_fuse() -> None:
+    problem = fuse_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"FUSE mount tests cannot run in CI: {problem}")
+    pytest.skip(problem)
+
+
+def shadefs_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shadefs", *args]
+
+
+@dataclass
+class Mount:
+    source: Path
+    mnt: Path
+    log: Path
+
+    def stats(self) -> dict:
+        return json.loads((self.mnt / ".shadefs" / "stats.json").read_bytes())
+
+    def ctl(self, line: str) -> None:
+        fd = os.open(self.mnt / ".shadefs" / "ctl", os.O_WRONLY)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def unmount(self) -> None:
+        if os.path.ismount(self.mnt) or _dead_mount(self.mnt):
+            res = subprocess.run(
+                shadefs_cmd("umount", str(self.mnt)), capture_output=True, text=True, timeout=60
+            )
+            if res.returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+                raise AssertionError(f"shadefs umount failed: {res.stderr}")
+
+
+def _dead_mount(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == 107  # ENOTCONN
+    return False
+
+
+def start_mount(source: Path, mnt: Path, *args: str, log: Path | None = None) -> Mount:
+    require_fuse()
+    mnt.mkdir(parents=True, exist_ok=True)
+    log = log or mnt.parent / f"{mnt.name}.log"
+    res = subprocess.run(
+        shadefs_cmd("mount", str(source), str(mnt), "--log", str(log), *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if res.returncode != 0:
+        raise AssertionError(
+            f"mount failed ({res.returncode}): {res.stderr}\n{log.read_text() if log.exists() else ''}"
+        )
+    assert os.path.ismount(mnt)
+    return Mount(source, mnt, log)
+
+
+@pytest.fixture
+def mounter(tmp_path: Path) -> Iterator:
+    """Call mounter(source, *args) to get a Mount; everything is unmounted at teardown."""
+    mounts: list[Mount] = []
+
+    def make(source: Path, *args: str, name: str = "mnt") -> Mount:
+        m = start_mount(source, tmp_path / name, *args)
+        mounts.append(m)
+        return m
+
+    yield make
+    errors = []
+    for m in mounts:
+        try:
+            m.unmount()
+        except Exception as exc:  # keep unmounting the others
+            errors.append(exc)
+        # No test may leave warnings or errors in the daemon's log that it did not expect.
+    if errors:
+        raise errors[0]
+
+
+class FakeCtx:
+    """Stands in for pyfuse3.RequestContext in handler-level tests."""
+
+    def __init__(self, uid: int | None = None, gid: int | None = None, pid: int = 1) -> None:
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.pid = pid
+        self.umask = 0o022
+
+
+def make_tree(root: Path, files: dict[str, bytes]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root

@@ -1,0 +1,107 @@
+"""Policies on shuffled-epoch traces: the epoch policy reaches f, LRU thrashes at ~f^2/2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shadefs.policy import EpochPolicy, LruPolicy, Policy, make_policy
+
+
+def simulate(policy: Policy, sizes: np.ndarray, capacity: int, epochs: int, seed: int = 0):
+    """Drive a policy like the cache does; return per-epoch hit ratios and peak bytes."""
+    rng = np.random.default_rng(seed)
+    resident: dict[int, int] = {}
+    used = peak = 0
+    ratios = []
+    for _ in range(epochs):
+        hits = 0
+        for key in rng.permutation(len(sizes)):
+            key = int(key)
+            size = int(sizes[key])
+            hit = key in resident
+            policy.accessed(key, hit)
+            if hit:
+                hits += 1
+                continue
+            victims = policy.admit(key, size, capacity - used)
+            if victims is None:
+                continue
+            for v in victims:
+                used -= resident.pop(v)
+                policy.removed(v)
+            assert used + size <= capacity, "policy returned too few victims"
+            resident[key] = size
+            used += size
+            policy.inserted(key, size)
+            peak = max(peak, used)
+        ratios.append(hits / len(sizes))
+    return ratios, peak
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_epoch_policy_reaches_cache_fraction(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(50_000, 150_000, size=2000)
+    capacity = int(0.2 * sizes.sum())
+    ratios, peak = simulate(EpochPolicy(), sizes, capacity, epochs=5, seed=seed)
+    assert peak <= capacity
+    assert ratios[0] == 0.0
+    # Every later epoch hits about the fraction of files that fit (object ratio ~ f).
+    assert min(ratios[1:]) >= 0.18, ratios
+
+
+def test_lru_thrashes_under_shuffled_epochs() -> None:
+    sizes = np.full(4000, 100_000)
+    capacity = int(0.2 * sizes.sum())
+    ratios, peak = simulate(LruPolicy(), sizes, capacity, epochs=5)
+    assert peak <= capacity
+    steady = float(np.mean(ratios[1:]))
+    # Theory: f + (1 - f) ln(1 - f) = 0.0215 at f = 0.2.
+    assert 0.005 < steady < 0.045, ratios
+
+
+def test_epoch_policy_infers_epochs_and_protects_unread() -> None:
+    p = EpochPolicy()
+    for k in range(3):
+        p.inserted(k, 10)
+    assert p.epoch == 0
+    p.accessed(0, True)  # 0 was read in epoch 0 when inserted: a new pass began
+    assert p.epoch == 1
+    # 1 and 2 were read last epoch and not yet this one: protected, not victims.
+    assert p.admit(99, 10, 0) is None
+    # Shrinking takes the consumed entry (0) before the protected ones.
+    assert p.shrink(10) == [0]
+    assert p.shrink(25)[:1] == [0] and len(p.shrink(25)) == 3
+
+
+def test_epoch_policy_evicts_stale_entries_for_new_files() -> None:
+    p = EpochPolicy()
+    p.inserted(1, 10)
+    p.inserted(2, 10)
+    p.begin_epoch(3)  # neither was read in epochs 1-2: they are no longer being read
+    assert p.admit(3, 15, 0) == [1, 2]
+
+
+def test_explicit_epochs_switch_off_inference() -> None:
+    p = EpochPolicy()
+    p.begin_epoch(0)
+    p.inserted(1, 10)
+    p.accessed(1, True)  # a replay within the same epoch, not a new epoch
+    assert p.epoch == 0
+
+
+def test_lru_order_and_refusal() -> None:
+    p = LruPolicy()
+    for k in (1, 2, 3):
+        p.inserted(k, 10)
+    p.accessed(1, True)
+    assert p.admit(4, 10, 0) == [2]
+    assert p.admit(4, 15, 0) == [2, 3]
+    assert p.admit(4, 100, 0) is None
+    assert p.admit(4, 5, 10) == []
+
+
+def test_make_policy_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
