@@ -15,6 +15,7 @@ the code between two awaits is a critical section. The only await is the source 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -129,7 +130,7 @@ class Cache:
             flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
             if flight.error is None:
                 # Cancellation or a bug: waiters get EIO, the original exception propagates.
-                flight.error = pyfuse3.FUSEError(5)
+                flight.error = pyfuse3.FUSEError(errno.EIO)
             raise
         finally:
             del self._flights[key]

@@ -96,7 +96,9 @@ def check_environment(opts: MountOptions) -> None:
                 f"{opts.mountpoint}` first",
                 EXIT_MOUNTPOINT,
             ) from None
-        raise QuietError(f"mount point {opts.mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT) from None
+        raise QuietError(
+            f"mount point {opts.mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise QuietError(f"mount point {opts.mountpoint} is not a directory", EXIT_MOUNTPOINT)
     if os.path.ismount(mnt):
@@ -128,9 +130,7 @@ def setup_logging(opts: MountOptions) -> None:
         handler.setFormatter(_JournalFormatter())
     elif opts.log in (None, "-", "stderr"):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     elif opts.log == "none":
         handler = logging.NullHandler()
     elif opts.log == "syslog":
@@ -252,9 +252,7 @@ def _run(opts: MountOptions, ready_fd: int | None) -> int:
         pyfuse3.init(ops, mnt, fuse_options(opts))
     except RuntimeError as exc:
         raise QuietError(f"mounting {mnt} failed: {exc}", EXIT_MOUNT_FAILED) from None
-    log.info(
-        "mounted %s on %s (ram %d bytes, policy %s)", opts.source, mnt, opts.ram, opts.policy
-    )
+    log.info("mounted %s on %s (ram %d bytes, policy %s)", opts.source, mnt, opts.ram, opts.policy)
     clean = False
     try:
         trio.run(_serve, opts, mnt, ready_fd)
@@ -269,7 +267,7 @@ async def _serve(opts: MountOptions, mnt: str, ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_signals)
         nursery.start_soon(_announce_ready, opts, mnt, ready_fd)
-        await pyfuse3.main()
+        await pyfuse3.main(**_main_args())
         nursery.cancel_scope.cancel()
 
 
@@ -293,3 +291,11 @@ async def _announce_ready(opts: MountOptions, mnt: str, ready_fd: int | None) ->
 
         sdnotify.ready(f"serving {opts.source} on {mnt}")
     _report(ready_fd, "ready")
+
+
+def _main_args() -> dict[str, int]:
+    env = os.environ.get("SHADEFS_TASKS", "")
+    if not env:
+        return {}
+    lo, hi = env.split(",")
+    return {"min_tasks": int(lo), "max_tasks": int(hi)}

@@ -86,9 +86,8 @@ def start_mount(source: Path, mnt: Path, *args: str, log: Path | None = None) ->
         timeout=60,
     )
     if res.returncode != 0:
-        raise AssertionError(
-            f"mount failed ({res.returncode}): {res.stderr}\n{log.read_text() if log.exists() else ''}"
-        )
+        daemon_log = log.read_text() if log.exists() else ""
+        raise AssertionError(f"mount failed ({res.returncode}): {res.stderr}\n{daemon_log}")
     assert os.path.ismount(mnt)
     return Mount(source, mnt, log)
 

@@ -20,7 +20,9 @@ CTX = FakeCtx()
 
 
 def make_fs(src: Path, **kw):
-    opts = MountOptions(source=str(src), mountpoint="/nonexistent", ram=kw.pop("ram", 1 << 20), **kw)
+    opts = MountOptions(
+        source=str(src), mountpoint="/nonexistent", ram=kw.pop("ram", 1 << 20), **kw
+    )
     return build(opts)
 
 

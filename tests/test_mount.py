@@ -142,7 +142,9 @@ def test_stat_and_ctl_commands(tmp_path: Path, mounter) -> None:
         (m.mnt / f"f{i}").read_bytes()
     out = subprocess.run(shadefs_cmd("stat", str(m.mnt)), capture_output=True, text=True)
     assert out.returncode == 0 and "misses 20" in out.stdout
-    out = subprocess.run(shadefs_cmd("ctl", str(m.mnt), "ram", "2K"), capture_output=True, text=True)
+    out = subprocess.run(
+        shadefs_cmd("ctl", str(m.mnt), "ram", "2K"), capture_output=True, text=True
+    )
     assert out.returncode == 0 and "ram budget" in out.stdout
     stats = m.stats()
     assert stats["ram_capacity"] == 2048 and stats["ram_bytes"] <= 2048
