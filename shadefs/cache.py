@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -190,5 +191,18 @@ class Cache:
             self._remove(key)
         return n
 
-    def resident(self, key: int) -> bool:
-        return key in self.entries
+    def tier_of(self, key: int) -> int:
+        """0: not cached, 1: RAM, 2: SSD."""
+        return 1 if key in self.entries else 0
+
+    def resident_keys(self) -> np.ndarray:
+        """Every cached key, as uint64 (for the order builder's resident set)."""
+        return np.fromiter(self.entries.keys(), dtype=np.uint64, count=len(self.entries))
+
+    def evict(self, key: int) -> bool:
+        """Drop `key` from the cache; False if it was not cached."""
+        if key not in self.entries:
+            return False
+        self._remove(key)
+        self.evictions += 1
+        return True

@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--ram", type=_size, help="RAM budget, e.g. 16G (default: 1/4 of available memory)"
     )
-    m.add_argument("--policy", choices=["epoch", "lru"], help="eviction policy (default epoch)")
+    m.add_argument(
+        "--policy", choices=["epoch", "lru", "shade"], help="eviction policy (default epoch)"
+    )
     m.add_argument(
         "--max-entry", type=_size, help="files larger than this are read through, not cached"
     )
@@ -136,8 +138,8 @@ def _mount_options(args: argparse.Namespace) -> object:
             values["source_threads"] = int(values["source_threads"])  # type: ignore[arg-type]
     except ValueError as exc:
         raise QuietError(str(exc)) from None
-    if values.get("policy", "epoch") not in ("epoch", "lru"):
-        raise QuietError(f"unknown policy {values['policy']!r} (choose epoch or lru)")
+    if values.get("policy", "epoch") not in ("epoch", "lru", "shade"):
+        raise QuietError(f"unknown policy {values['policy']!r} (choose epoch, lru or shade)")
     if values.get("log_level", "info") not in ("debug", "info", "warning", "error"):
         raise QuietError(f"unknown log level {values['log_level']!r}")
     if values.get("ram") is None:

@@ -16,11 +16,16 @@ Every write-type operation fails with EROFS; only the control file takes writes.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pyfuse3
+import trio
 
 from shadefs.cache import Cache
 from shadefs.control import DIR_INODE, NAME, Control
@@ -30,6 +35,9 @@ from shadefs.source import Source
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+OpsT = TypeVar("OpsT")
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -37,6 +45,34 @@ def _erofs() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
 
 
+def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Turn a bug in a handler into EIO plus a logged traceback.
+
+    pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
+    the whole mount down, which for a training job is far worse than one failed read.
+    """
+
+    @functools.wraps(fn)
+    async def handler(*args: object) -> T:
+        try:
+            return await fn(*args)
+        except (pyfuse3.FUSEError, trio.Cancelled):
+            raise
+        except Exception:
+            log.exception("%s failed; answering EIO", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return handler
+
+
+def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
+    for name, fn in list(vars(cls).items()):
+        if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
+            setattr(cls, name, _guarded(fn))
+    return cls
+
+
+@_guard_handlers
 class Operations(pyfuse3.Operations):
     """Request handlers. `handles` maps an open file to its bytes or a source descriptor."""
 
@@ -187,7 +223,7 @@ class Operations(pyfuse3.Operations):
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         if self.control.owns_handle(fh):
-            return self.control.write(fh, buf)
+            return await self.control.write(fh, buf)
         raise _erofs()
 
     async def setattr(

@@ -38,6 +38,7 @@ from shadefs.fs import Operations
 from shadefs.metrics import Metrics, snapshot
 from shadefs.namespace import Namespace
 from shadefs.policy import make_policy
+from shadefs.sampling import Sampling
 from shadefs.source import Source
 
 log = logging.getLogger(__name__)
@@ -223,12 +224,23 @@ def build(opts: MountOptions) -> tuple[Operations, dict[str, object]]:
     ns = Namespace(source, timeout=opts.attr_timeout)
     metrics = Metrics()
     cache = Cache(
-        source, make_policy(opts.policy), metrics, capacity=opts.ram, max_entry=opts.max_entry
+        source, make_policy("epoch"), metrics, capacity=opts.ram, max_entry=opts.max_entry
     )
+    sampling = Sampling()
+    cache.set_policy(make_policy(opts.policy, sampling.score_of))
     mnt = os.path.abspath(opts.mountpoint)
-    control = Control(cache, metrics, lambda: snapshot(metrics, cache, ns, source, mnt))
+
+    def stats() -> dict[str, object]:
+        s = snapshot(metrics, cache, ns, source, mnt)
+        s["sampler"] = sampling.describe()
+        return s
+
+    control = Control(cache, metrics, ns, sampling, stats)
     ops = Operations(ns, cache, control, metrics, source)
-    return ops, {"source": source, "ns": ns, "cache": cache, "metrics": metrics}
+    parts = {"source": source, "ns": ns, "cache": cache, "metrics": metrics}
+    parts["sampling"] = sampling
+    parts["control"] = control
+    return ops, parts
 
 
 def fuse_options(opts: MountOptions) -> set[str]:

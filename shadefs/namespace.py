@@ -187,3 +187,28 @@ class Namespace:
         a.st_mtime_ns = st.st_mtime_ns
         a.st_ctime_ns = st.st_ctime_ns
         return a
+
+    # --- resolving paths that the kernel has not looked up ------------------------------
+
+    async def resolve(self, paths: list[bytes]) -> list[os.stat_result | None]:
+        """lstat of many relative paths, listing each parent directory once.
+
+        Used for the sampler's file list and the residency queries: a million paths in a
+        thousand class directories cost a thousand source listings, not a million lstats.
+        A path that does not exist (or whose parent is not a directory) gives None.
+        """
+        by_dir: dict[bytes, list[int]] = {}
+        for i, p in enumerate(paths):
+            parent, _, _ = p.rpartition(b"/")
+            by_dir.setdefault(parent, []).append(i)
+        out: list[os.stat_result | None] = [None] * len(paths)
+        for parent, idxs in by_dir.items():
+            try:
+                entries = dict(await self.source.listdir(parent))
+            except pyfuse3.FUSEError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                    continue
+                raise
+            for i in idxs:
+                out[i] = entries.get(paths[i].rpartition(b"/")[2])
+        return out

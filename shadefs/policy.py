@@ -8,8 +8,9 @@ Keys are opaque ints (the cache uses inode numbers), sizes are bytes.
 `lru` is the baseline. `epoch` is the default (DESIGN.md fact 1): under shuffled epochs
 every file is read once per epoch, so the best any demand cache can do is keep a fixed
 set until it has been read this epoch (hit ratio f = cache/dataset, the bound that
-Belady's MIN also reaches), while LRU thrashes (about f^2/2). Later policies (importance,
-clairvoyant) implement the same interface.
+Belady's MIN also reaches), while LRU thrashes (about f^2/2). `shade` keeps the samples the
+training job finds most important (SHADE's APP): it pays off with the importance sampler,
+which replays resident samples. Later policies (clairvoyant) implement the same interface.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+from sortedcontainers import SortedList
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +192,88 @@ class EpochPolicy(Policy):
         return d
 
 
+class ShadePolicy(Policy):
+    """SHADE's APP: resident entries ordered by importance; a miss is admitted only if it is
+    more important than the least important resident entries it replaces.
+
+    Importance comes from `score(key)` (the importance table, which covers every sample,
+    cached or not: the ghost table). Scores change whenever losses arrive; instead of
+    re-sorting on every update, an entry sits in the sorted list under the score it had when
+    last ranked, and is re-ranked when it reaches the bottom (a lazy priority queue). So a
+    loss batch costs the policy nothing, and eviction does O(log n) work per re-ranked entry.
+    Ties keep what is resident (strictly more important to get in), so equal scores mean no
+    churn: with no losses reported yet this behaves like a static cache.
+    """
+
+    name = "shade"
+
+    def __init__(self, score: Callable[[int], float]) -> None:
+        super().__init__()
+        self.score = score
+        self._ranked: SortedList = SortedList()
+        self._rank_of: dict[int, float] = {}
+
+    def inserted(self, key: int, size: int) -> None:
+        super().inserted(key, size)
+        s = self.score(key)
+        self._rank_of[key] = s
+        self._ranked.add((s, key))
+
+    def removed(self, key: int) -> None:
+        super().removed(key)
+        s = self._rank_of.pop(key, None)
+        if s is not None:
+            self._ranked.remove((s, key))
+
+    def accessed(self, key: int, hit: bool) -> None:
+        pass  # reads say nothing about importance under an importance sampler
+
+    def _bottom(self, skip: int) -> Iterable[tuple[float, int]]:
+        """Entries from the least important up, each re-ranked to its current score first."""
+        i = skip
+        while i < len(self._ranked):
+            s, key = self._ranked[i]
+            now = self.score(key)
+            if now != s:
+                self._ranked.remove((s, key))
+                self._ranked.add((now, key))
+                self._rank_of[key] = now
+                continue  # position i now holds another entry: look again
+            yield s, key
+            i += 1
+
+    def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        need = size - free
+        if need <= 0:
+            return []
+        incoming = self.score(key)
+        victims = []
+        for s, victim in self._bottom(0):
+            if s >= incoming:
+                return None
+            victims.append(victim)
+            need -= self.sizes[victim]
+            if need <= 0:
+                return victims
+        return None
+
+    def shrink(self, need: int) -> list[int]:
+        victims = []
+        for _, key in self._bottom(0):
+            if need <= 0:
+                break
+            victims.append(key)
+            need -= self.sizes[key]
+        return victims
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        if self._ranked:
+            d["min_score"] = round(self._ranked[0][0], 4)
+            d["max_score"] = round(self._ranked[-1][0], 4)
+        return d
+
+
 def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[int] | None:
     """The shortest prefix of `candidates` whose sizes add up to `need`, or None."""
     if need <= 0:
@@ -202,13 +287,15 @@ def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[i
     return None
 
 
-POLICIES: dict[str, type[Policy]] = {"epoch": EpochPolicy, "lru": LruPolicy}
+POLICIES = ("epoch", "lru", "shade")
 
 
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r} (choose from {', '.join(sorted(POLICIES))})"
-        ) from None
+def make_policy(name: str, score: Callable[[int], float] | None = None) -> Policy:
+    """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None)."""
+    if name == "epoch":
+        return EpochPolicy()
+    if name == "lru":
+        return LruPolicy()
+    if name == "shade":
+        return ShadePolicy(score or (lambda key: 0.5))
+    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")

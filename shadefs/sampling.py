@@ -1,0 +1,185 @@
+"""The daemon's side of importance-aware sampling: the registered dataset and its table.
+
+The torch sampler registers its file list once (its index order defines the sample ids),
+reports per-sample losses, and asks for each epoch's order. This module owns:
+
+- the sample id <-> cache key mapping (cache keys are inode numbers): a numpy array of the
+  key of every sample, plus a sorted copy for key -> sample id lookups by binary search, so
+  per-sample state stays in compact arrays even at 14 M samples;
+- the importance table (importance.py) and the replay factor (pads.ReplayController, or a
+  fixed r);
+- the epoch order (pads.py), built once per (epoch, seed, world size) and then sliced for
+  each rank. Building it once matters for correctness, not just speed: the table and the
+  resident set change while an epoch runs, and ranks that asked at different moments must
+  still get disjoint shares of one global list.
+
+It makes no I/O of its own: resolving paths goes through the namespace given to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from shadefs import pads, wire
+from shadefs.importance import NEUTRAL_SCORE, ImportanceTable
+
+log = logging.getLogger(__name__)
+
+# How many epochs' global orders to keep (the current one and a straggler's).
+_ORDERS_KEPT = 4
+
+
+class SamplingError(ValueError):
+    """Input the sampler channel rejects (EINVAL); the message says why."""
+
+
+class Sampling:
+    """The registered dataset, its importance table, and the epoch orders handed out."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.keys = np.zeros(0, dtype=np.uint64)
+        self._sorted_keys = np.zeros(0, dtype=np.uint64)
+        self._sorted_ids = np.zeros(0, dtype=np.int64)
+        self.table = ImportanceTable(0)
+        self.replay = pads.ReplayController()
+        self.fixed_replay: float | None = None
+        self.epoch = 0
+        self.registered_at = 0.0
+        self.orders_served = 0
+        self.losses_ingested = 0
+        self.reports = 0
+        self.last_report: dict[str, float] = {}
+        self._orders: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
+
+    @property
+    def n(self) -> int:
+        return len(self.paths)
+
+    # --- registration -----------------------------------------------------------------
+
+    async def register(
+        self, paths: list[str], resolve: Callable[[list[str]], Awaitable[np.ndarray]]
+    ) -> None:
+        """Adopt `paths` as the dataset; `resolve` maps them to cache keys or raises."""
+        if paths == self.paths:
+            log.info("dataset re-registered unchanged (%d samples): keeping the table", self.n)
+            return
+        keys = await resolve(paths)
+        order = np.argsort(keys, kind="stable")
+        self.paths = paths
+        self.keys = keys
+        self._sorted_keys = keys[order]
+        self._sorted_ids = order.astype(np.int64)
+        self.table = ImportanceTable(len(paths))
+        self._orders.clear()
+        self.registered_at = time.time()
+        log.info("registered a dataset of %d samples", len(paths))
+
+    def sample_of(self, key: int) -> int:
+        """The sample id of cache key `key`, or -1 when it is not a registered sample."""
+        sk = self._sorted_keys
+        i = int(np.searchsorted(sk, key))
+        if i < len(sk) and int(sk[i]) == key:
+            return int(self._sorted_ids[i])
+        return -1
+
+    def score_of(self, key: int) -> float:
+        """The importance of cache key `key` (neutral for files outside the dataset)."""
+        sid = self.sample_of(key)
+        return float(self.table.scores[sid]) if sid >= 0 else NEUTRAL_SCORE
+
+    # --- losses and progress ----------------------------------------------------------
+
+    def ingest(self, message: bytes | bytearray | memoryview) -> int:
+        """Decode one SHDL message and feed the table; returns the number of losses."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        indices, losses, lengths = wire.decode_losses(message, self.n)
+        self.table.ingest(indices, losses, lengths)
+        self.losses_ingested += len(indices)
+        return len(indices)
+
+    def report(
+        self, epoch: int | None, train_loss: float | None, val_accuracy: float | None
+    ) -> str:
+        for name, value in (("train_loss", train_loss), ("val_accuracy", val_accuracy)):
+            if value is not None and not math.isfinite(value):
+                raise SamplingError(f"{name} must be finite")
+        if epoch is not None:
+            self.begin_epoch(epoch)
+        self.reports += 1
+        self.last_report = {
+            k: v
+            for k, v in (("train_loss", train_loss), ("val_accuracy", val_accuracy))
+            if v is not None
+        }
+        r = self.replay.report(train_loss=train_loss, val_accuracy=val_accuracy)
+        if self.fixed_replay is None:
+            return f"replay factor now {r:.2f}"
+        return f"replay fixed at {self.fixed_replay:.2f}"
+
+    def set_replay(self, value: float | None) -> None:
+        if value is not None and not (math.isfinite(value) and 1.0 <= value <= 64.0):
+            raise SamplingError("replay must be between 1 and 64, or auto")
+        self.fixed_replay = value
+
+    @property
+    def r(self) -> float:
+        return self.fixed_replay if self.fixed_replay is not None else self.replay.r
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch = max(self.epoch, epoch)
+
+    # --- orders -----------------------------------------------------------------------
+
+    def order(
+        self, request: wire.OrderRequest, resident: Callable[[np.ndarray], np.ndarray]
+    ) -> bytes:
+        """This rank's share of the epoch; `resident(keys)` says which keys are cached."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        self.begin_epoch(request.epoch)
+        cache_key = (request.epoch, request.seed, request.world_size)
+        full = self._orders.get(cache_key)
+        if full is None:
+            params = pads.OrderParams(
+                epoch=request.epoch,
+                seed=request.seed,
+                world_size=request.world_size,
+                rank=0,
+                replay=self.r,
+            )
+            t0 = time.perf_counter()
+            full = pads.build_global_order(self.table.scores, resident(self.keys), params)
+            log.debug(
+                "built the order of epoch %d (%d entries) in %.3f s",
+                request.epoch,
+                len(full),
+                time.perf_counter() - t0,
+            )
+            self._orders[cache_key] = full
+            while len(self._orders) > _ORDERS_KEPT:
+                self._orders.popitem(last=False)
+        self.orders_served += 1
+        share = pads.rank_slice(full, request.world_size, request.rank)
+        return wire.encode_order_response(request.epoch, share)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "samples": self.n,
+            "epoch": self.epoch,
+            "replay": round(self.r, 3),
+            "replay_mode": "auto" if self.fixed_replay is None else "fixed",
+            "orders_served": self.orders_served,
+            "losses_ingested": self.losses_ingested,
+            "reports": self.reports,
+            "last_report": self.last_report,
+            "table": self.table.stats() if self.n else {},
+        }
