@@ -1,0 +1,46 @@
+# shadefs: the two set-up commands of the README are `make demo` and `make test`.
+# Both install everything they need on a fresh Debian/Ubuntu machine (system packages
+# when run as root, then a virtual environment in .venv).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc systemd attr diffutils findutils util-linux
+
+.PHONY: setup system-deps demo test lint bench install clean
+
+setup: $(VENV)/.installed
+
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+		if [ -n "$$missing" ]; then \
+			echo "installing system packages:$$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		fi; \
+	else \
+		command -v fusermount3 >/dev/null || echo "warning: fusermount3 missing; install: $(APT_PACKAGES)"; \
+	fi
+
+$(VENV)/.installed: pyproject.toml constraints.txt | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/shadefs demo
+
+test: setup
+	$(VENV)/bin/ruff check shadefs tests tools
+	$(VENV)/bin/ruff format --check shadefs tests tools
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	cd tools && ../$(PY) bench_epochs.py && ../$(PY) bench_hits.py && ../$(PY) bench_pads.py
+
+install: setup
+	PYTHON=$(abspath $(PY)) sh mount/install.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
