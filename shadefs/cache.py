@@ -26,13 +26,10 @@ import trio
 from shadefs.metrics import Metrics
 from shadefs.policy import Policy
 from shadefs.source import Source
+from shadefs.ssd import Signature
+from shadefs.ssdtier import INLINE_READ, SsdTier
 
 log = logging.getLogger(__name__)
-
-
-def signature(st: os.stat_result) -> tuple[int, int, int]:
-    """The source identity an entry was cached under: (size, mtime_ns, inode)."""
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 class Entry:
@@ -40,7 +37,7 @@ class Entry:
 
     __slots__ = ("data", "sig")
 
-    def __init__(self, data: bytes, sig: tuple[int, int, int]) -> None:
+    def __init__(self, data: bytes, sig: Signature) -> None:
         self.data = data
         self.sig = sig
 
@@ -71,18 +68,21 @@ class Cache:
         *,
         capacity: int,
         max_entry: int | None = None,
+        ssd: SsdTier | None = None,
     ) -> None:
         self.source = source
         self.policy = policy
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
+        self.ssd = ssd
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
         self.evictions = 0
         self.refused = 0
         self.shared_fetches = 0
+        self.ram_hits = 0
         self._flights: dict[int, _Flight] = {}
 
     @property
@@ -97,17 +97,32 @@ class Cache:
 
     async def open(self, key: int, path: bytes, st: os.stat_result) -> bytes | None:
         """The file's bytes for a new handle, or None when it must be read through."""
+        sig = Signature.of(st)
+        ssd = self.ssd
         entry = self.entries.get(key)
         if entry is not None:
-            if entry.sig == signature(st):
+            if entry.sig == sig:
                 self.metrics.hits += 1
+                self.ram_hits += 1
                 self.policy.accessed(key, True)
+                if ssd is not None:
+                    ssd.policy.accessed(key, key in ssd.index)
                 return entry.data
-            log.debug("entry for %r is stale, dropping it", path)
+            log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
-        self.metrics.misses += 1
         self.policy.accessed(key, False)
-        if st.st_size > self.max_entry:
+        if ssd is not None and st.st_size <= ssd.max_entry:
+            if st.st_size <= INLINE_READ:
+                data = ssd.lookup(key, path, sig)
+            else:
+                data = await ssd.lookup_large(key, path, sig)
+            if data is not None:
+                self.metrics.hits += 1
+                self._admit(key, data, sig)
+                return data
+            ssd.missed(key)
+        self.metrics.misses += 1
+        if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
         return await self._fetch(key, path)
@@ -136,10 +151,13 @@ class Cache:
         finally:
             del self._flights[key]
             flight.done.set()
-        self._admit(key, data, signature(st))
+        sig = Signature.of(st)
+        self._admit(key, data, sig)
+        if self.ssd is not None:
+            self.ssd.offer(key, path, data, sig)
         return data
 
-    def _admit(self, key: int, data: bytes, sig: tuple[int, int, int]) -> None:
+    def _admit(self, key: int, data: bytes, sig: Signature) -> None:
         size = len(data)
         if size > self.max_entry:
             return
@@ -178,31 +196,60 @@ class Cache:
                 self.evictions += 1
         # Entries that are now above max_entry stay until evicted: they are still valid.
 
-    def set_policy(self, policy: Policy) -> None:
-        """Switch policies, handing the new one every resident entry."""
+    def set_policy(self, policy: Policy, ssd_policy: Policy | None = None) -> None:
+        """Switch policies, handing the new ones every resident entry."""
         for key, entry in self.entries.items():
             policy.inserted(key, len(entry.data))
         self.policy = policy
+        if self.ssd is not None and ssd_policy is not None:
+            for key, (_, disk) in self.ssd.index.items():
+                ssd_policy.inserted(key, disk)
+            self.ssd.policy = ssd_policy
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.policy.begin_epoch(epoch)
+        if self.ssd is not None:
+            self.ssd.policy.begin_epoch(epoch)
 
     def drop(self) -> int:
-        """Forget every resident entry; returns the number dropped."""
+        """Forget every file cached in RAM (the SSD tier is kept); returns how many."""
         n = len(self.entries)
         for key in list(self.entries):
             self._remove(key)
         return n
 
     def tier_of(self, key: int) -> int:
-        """0: not cached, 1: RAM, 2: SSD."""
-        return 1 if key in self.entries else 0
+        """0: not cached, 1: RAM, 2: SSD only."""
+        if key in self.entries:
+            return 1
+        return 2 if self.ssd is not None and key in self.ssd.index else 0
 
     def resident_keys(self) -> np.ndarray:
-        """Every cached key, as uint64 (for the order builder's resident set)."""
-        return np.fromiter(self.entries.keys(), dtype=np.uint64, count=len(self.entries))
+        """Every cached key in any tier, as uint64 (the order builder's resident set)."""
+        keys = self.entries.keys()
+        if self.ssd is not None:
+            keys = keys | self.ssd.index.keys()
+        return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
-    def evict(self, key: int) -> bool:
-        """Drop `key` from the cache; False if it was not cached."""
-        if key not in self.entries:
-            return False
-        self._remove(key)
-        self.evictions += 1
-        return True
+    async def evict(self, key: int) -> bool:
+        """Drop `key` from every tier; False if it was not cached."""
+        found = key in self.entries
+        if found:
+            self._remove(key)
+            self.evictions += 1
+        if self.ssd is not None:
+            found = await self.ssd.evict(key) or found
+        return found
+
+    def describe(self) -> dict[str, object]:
+        tiers: dict[str, object] = {
+            "ram": {
+                "bytes": self.used,
+                "capacity": self.capacity,
+                "entries": len(self.entries),
+                "hits": self.ram_hits,
+            }
+        }
+        if self.ssd is not None:
+            tiers["ssd"] = self.ssd.describe()
+        return tiers

@@ -54,8 +54,9 @@ HELP = """\
 # A bad line fails the whole write with EINVAL and changes nothing.
 policy NAME          switch the eviction policy ({policies})
 ram SIZE             set the RAM budget (bytes or K/M/G/T suffix); shrinking evicts at once
-drop                 drop every cached file from RAM
-evict PATH...        drop these files (relative to the mount root) from the cache
+ssd SIZE             set the SSD budget (needs --ssd)
+drop                 drop every cached file from RAM (the SSD tier is kept)
+evict PATH...        drop these files (relative to the mount root) from every tier
 epoch N              the training job starts epoch N
 report [epoch=N] [train_loss=X] [val_accuracy=Y]
                      end-of-epoch progress (adapts the replay factor)
@@ -256,7 +257,7 @@ class Control:
             self.sampling.ingest(message)
         else:
             request = wire.decode_order_request(message)
-            self.cache.policy.begin_epoch(request.epoch)
+            self.cache.begin_epoch(request.epoch)
             handle.data = self.sampling.order(request, self._resident)
 
     async def _resolve_dataset(self, paths: list[str]) -> np.ndarray:
@@ -321,11 +322,12 @@ class Control:
         _nargs("policy", args, 1)
         try:
             policy = make_policy(args[0], self.sampling.score_of)
+            ssd_policy = make_policy(args[0], self.sampling.score_of)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
 
         async def apply() -> str:
-            self.cache.set_policy(policy)
+            self.cache.set_policy(policy, ssd_policy)
             return f"policy is {policy.name}"
 
         return apply
@@ -337,6 +339,19 @@ class Control:
         async def apply() -> str:
             self.cache.set_capacity(size)
             return f"ram budget {format_size(size)}"
+
+        return apply
+
+    async def _cmd_ssd(self, args: list[str]) -> Callable[[], Awaitable[str]]:
+        _nargs("ssd", args, 1)
+        size = _size(args[0])
+        ssd = self.cache.ssd
+        if ssd is None:
+            raise CommandError("no SSD tier: mount with --ssd DIR[:SIZE]")
+
+        async def apply() -> str:
+            await ssd.set_capacity(size)
+            return f"ssd budget {format_size(size)}"
 
         return apply
 
@@ -360,7 +375,8 @@ class Control:
             keys.append(self.ns.ino_of(st))
 
         async def apply() -> str:
-            return f"evicted {sum(self.cache.evict(k) for k in keys)} of {len(keys)} files"
+            evicted = [await self.cache.evict(k) for k in keys]
+            return f"evicted {sum(evicted)} of {len(keys)} files"
 
         return apply
 
@@ -370,7 +386,7 @@ class Control:
 
         async def apply() -> str:
             self.sampling.begin_epoch(epoch)
-            self.cache.policy.begin_epoch(epoch)
+            self.cache.begin_epoch(epoch)
             return f"epoch {epoch}"
 
         return apply
@@ -386,7 +402,7 @@ class Control:
 
         async def apply() -> str:
             if epoch is not None:
-                self.cache.policy.begin_epoch(int(epoch))
+                self.cache.begin_epoch(int(epoch))
             return self.sampling.report(
                 None if epoch is None else int(epoch),
                 values.get("train_loss"),
@@ -423,6 +439,7 @@ class Control:
 _PARSERS = {
     "policy": Control._cmd_policy,
     "ram": Control._cmd_ram,
+    "ssd": Control._cmd_ssd,
     "drop": Control._cmd_drop,
     "evict": Control._cmd_evict,
     "epoch": Control._cmd_epoch,

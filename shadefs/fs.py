@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -43,6 +44,18 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 def _erofs() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
+
+
+async def _invalidate_attrs(inode: int) -> None:
+    """Make the kernel forget a changed file's attributes (size, mtime).
+
+    Attribute-only invalidation takes no page locks, and it runs in a thread, so it cannot
+    wait on a request that this thread would have to answer.
+    """
+    try:
+        await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, True)
+    except Exception as exc:  # no FUSE session (handler tests) or the inode is gone
+        log.debug("invalidate_inode(%d) failed: %s", inode, exc)
 
 
 def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -191,12 +204,20 @@ class Operations(pyfuse3.Operations):
         node = self.ns.node(inode)
         if not stat.S_ISREG(node.st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(node.st.st_mode) else errno.EIO)
-        data = await self.cache.open(inode, node.path, node.st)
+        st, changed = node.st, False
+        if time.monotonic() - node.checked >= self.ns.revalidate:
+            st, changed = await self.ns.fresh_stat(inode)
+            if changed:
+                await _invalidate_attrs(inode)
+        data = await self.cache.open(inode, node.path, st)
         fh = self._next_fh
         self._next_fh += 1
         if data is not None:
             self._mem[fh] = memoryview(data)
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+            # Without keep_cache the kernel drops the file's old pages as it opens it: the
+            # page-cache invalidation of a changed file, with no reverse call that could
+            # deadlock against a read in flight (reference/fuse-anchors.md §2).
+            return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
         self._fds[fh] = await self.source.open_fd(node.path)
         # Pass-through files are not resident: do not let the kernel keep stale pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)

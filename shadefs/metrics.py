@@ -47,7 +47,7 @@ def snapshot(
 ) -> dict[str, object]:
     """Everything `stats.json` reports, as one flat-ish dict (documented in the README)."""
     opens = metrics.hits + metrics.misses
-    return {
+    out: dict[str, object] = {
         "version": 1,
         "pid": os.getpid(),
         "mountpoint": mountpoint,
@@ -63,12 +63,15 @@ def snapshot(
         "ram_bytes": cache.used,
         "ram_capacity": cache.capacity,
         "ram_max_entry": cache.max_entry,
-        "files_cached": len(cache.entries),
+        "files_cached": len(cache.entries) + (len(cache.ssd.index) if cache.ssd else 0),
+        "tiers": cache.describe(),
         "admitted": cache.admitted,
         "evictions": cache.evictions,
         "refused": cache.refused,
         "passthrough_opens": metrics.passthrough_opens,
         "fetches_shared": cache.shared_fetches,
+        "revalidations": ns.revalidations,
+        "changed_files": ns.changed_files,
         "inodes_known": len(ns.nodes),
         "directories_listed": len(ns.listings),
         "source_healthy": source.healthy,
@@ -76,6 +79,19 @@ def snapshot(
         "source_errors": source.errors,
         "control_errors": metrics.control_errors,
     }
+    if cache.ssd is not None:
+        ssd = cache.ssd
+        out["ssd_bytes"] = ssd.store.disk_bytes
+        out["ssd_capacity"] = ssd.capacity
+        out["ssd_hits"] = ssd.hits
+        out["ssd_entries"] = len(ssd.index)
+        out["corrupt_entries"] = ssd.store.corrupt_entries
+        out["restore"] = {
+            "done": ssd.restore_done,
+            "entries": ssd.restore_entries,
+            "seconds": round(ssd.restore_seconds, 3),
+        }
+    return out
 
 
 def render_text(s: dict[str, object]) -> str:
@@ -95,6 +111,15 @@ def render_text(s: dict[str, object]) -> str:
         f"timeouts {s['source_timeouts']}  errors {s['source_errors']}",
         f"namespace     {s['inodes_known']} inodes known, {s['directories_listed']} dirs listed",
     ]
+    if "ssd_bytes" in s:
+        r = s["restore"]
+        lines.insert(
+            4,
+            f"ssd           {format_size(s['ssd_bytes'])} of {format_size(s['ssd_capacity'])} "
+            f"in {s['ssd_entries']} files, {s['ssd_hits']} hits, "
+            f"{s['corrupt_entries']} corrupt entries, restore "
+            f"{'done' if r['done'] else 'running'} ({r['entries']} entries)",
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,11 @@ lookup count drops to zero, and a million-file tree costs nothing until it is wa
 The tree is read-only: a directory is listed once (names plus lstat, in one worker thread)
 and the snapshot answers readdir, lookup and negative lookup of its children without going
 back to the source. Snapshots live as long as the kernel references their directory.
-Revalidation against the source is the job of a later layer (see docs/developer-notes.md).
+
+Revalidation: after `revalidate` seconds a snapshot is refreshed when it is next used, and a
+file's signature is checked again when it is next opened (`fresh_stat`). When the source is
+not answering, both fall back to what they have: a cached file keeps being served and `ls`
+keeps working on the last snapshot, instead of hanging with the source.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -38,12 +43,13 @@ _MAX_INO = (1 << 64) - 1
 class Node:
     """A looked-up entry: its path relative to the source root and its stat snapshot."""
 
-    __slots__ = ("path", "st", "lookups")
+    __slots__ = ("path", "st", "lookups", "checked")
 
     def __init__(self, path: bytes, st: os.stat_result, lookups: int) -> None:
         self.path = path
         self.st = st
         self.lookups = lookups
+        self.checked = time.monotonic()
 
 
 @dataclass(slots=True)
@@ -53,6 +59,7 @@ class Listing:
     names: list[bytes]
     stats: list[os.stat_result]
     index: dict[bytes, int] = field(default_factory=dict)
+    stamp: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.index = {name: i for i, name in enumerate(self.names)}
@@ -61,9 +68,14 @@ class Listing:
 class Namespace:
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
-    def __init__(self, source: Source, *, timeout: float = 3600.0) -> None:
+    def __init__(
+        self, source: Source, *, timeout: float = 3600.0, revalidate: float = 3600.0
+    ) -> None:
         self.source = source
         self.timeout = timeout
+        self.revalidate = revalidate
+        self.revalidations = 0
+        self.changed_files = 0
         root_st = os.lstat(source.root)
         if not stat.S_ISDIR(root_st.st_mode):
             raise NotADirectoryError(source.root)
@@ -75,6 +87,11 @@ class Namespace:
         self._listing_flights: dict[int, trio.Event] = {}
 
     # --- inode numbers ----------------------------------------------------------------
+
+    def key_of_ino(self, st_ino: int) -> int:
+        """The inode number of a source inode on the root's device (for restored entries)."""
+        ino = st_ino + INO_OFFSET
+        return ROOT_INODE if st_ino == self.root_ino else ino
 
     def ino_of(self, st: os.stat_result) -> int:
         if st.st_dev == self.dev:
@@ -123,8 +140,8 @@ class Namespace:
         if node is None:
             self.nodes[ino] = Node(path, st, 1)
         else:
+            # Keep the node's own stat: it may be fresher than the listing (fresh_stat).
             node.lookups += 1
-            node.st = st
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, n in items:
@@ -139,15 +156,32 @@ class Namespace:
     # --- directories ------------------------------------------------------------------
 
     async def listing(self, ino: int) -> Listing:
-        """The directory's snapshot, listing the source once even under concurrent opens."""
+        """The directory's snapshot, listing the source once even under concurrent opens.
+
+        A snapshot older than `revalidate` is refreshed; if the source does not answer, the
+        old snapshot is served (and a known outage skips the attempt altogether).
+        """
+        old = self.listings.get(ino)
+        if old is not None:
+            if time.monotonic() - old.stamp < self.revalidate or not self.source.healthy:
+                return old
+            try:
+                return await self._list(ino)
+            except pyfuse3.FUSEError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                    raise
+                return old
+        return await self._list(ino)
+
+    async def _list(self, ino: int) -> Listing:
         while True:
-            listing = self.listings.get(ino)
-            if listing is not None:
-                return listing
             flight = self._listing_flights.get(ino)
             if flight is None:
                 break
             await flight.wait()
+            listing = self.listings.get(ino)
+            if listing is not None and time.monotonic() - listing.stamp < self.revalidate:
+                return listing
         node = self.node(ino)
         if not stat.S_ISDIR(node.st.st_mode):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -162,6 +196,36 @@ class Namespace:
         if ino in self.nodes:
             self.listings[ino] = listing
         return listing
+
+    async def fresh_stat(self, ino: int) -> tuple[os.stat_result, bool]:
+        """The file's stat, checked against the source if `revalidate` has passed.
+
+        Returns (stat, changed). A file that vanished raises ENOENT; a source that does not
+        answer leaves the old stat in place (its cached bytes stay servable).
+        """
+        node = self.node(ino)
+        now = time.monotonic()
+        if now - node.checked < self.revalidate or not self.source.healthy:
+            return node.st, False
+        try:
+            st = await self.source.lstat(node.path)
+        except pyfuse3.FUSEError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise
+            return node.st, False
+        self.revalidations += 1
+        node.checked = now
+        old = node.st
+        changed = (st.st_size, st.st_mtime_ns, st.st_ino) != (
+            old.st_size,
+            old.st_mtime_ns,
+            old.st_ino,
+        )
+        if changed:
+            self.changed_files += 1
+            log.info("%r changed on the source: refetching", node.path)
+            node.st = st
+        return node.st, changed
 
     def child_path(self, parent: int, name: bytes) -> bytes:
         ppath = self.nodes[parent].path

@@ -71,7 +71,14 @@ class Source:
                 self._mark_healthy()
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENODATA):
                     self.errors += 1
-                raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+                # A dead server (ENOTCONN from a crashed FUSE source, ESTALE from NFS) is an
+                # I/O error to the reader, not a property of the file.
+                code = (
+                    exc.errno
+                    if exc.errno not in (None, errno.ENOTCONN, errno.ESTALE)
+                    else errno.EIO
+                )
+                raise pyfuse3.FUSEError(code) from None
         if scope.cancelled_caught:
             self.timeouts += 1
             if self.healthy:

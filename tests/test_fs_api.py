@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from shadefs.control import DIR_INODE, NAME
-from shadefs.mount import MountOptions, build
+from shadefs.daemon import build
+from shadefs.mount import MountOptions
 from shadefs.namespace import ROOT_INODE
 from tests.conftest import FakeCtx, make_tree
 

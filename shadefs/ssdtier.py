@@ -1,0 +1,286 @@
+"""The SSD tier: which files are on local disk, how they get there, and when they leave.
+
+`ssd.SsdStore` does the file I/O and guarantees that no wrong byte is ever served. This
+module adds the tier's index and policy, and the background work:
+
+- **Write-behind.** A file fetched from the source is queued for the SSD. Writer tasks
+  admit it through the tier's policy, remove victims and write the entry in worker threads.
+  The reader never waits for the SSD. A full queue drops the write (counted) rather than
+  blocking or buffering without bound.
+- **Restore.** After a restart the store's scan runs in a thread in the background and feeds
+  the index in chunks, so the mount is ready at once. Lookups go by path straight to the store
+  and do not need the index, so entries the scan has not reached yet are still hits.
+- **Watermarks.** When the disk holds more than the high watermark of the budget, or the
+  cache disk's free space falls below the floor, an evictor shrinks the tier to the low mark
+  in the policy's order.
+- **Degradation.** A failed write (full disk, I/O error) is refused by the store and logged
+  once. The tier then keeps serving what it has and the cache runs on RAM and source.
+
+Index keys are cache keys (inode numbers). After a restart, the key of a restored entry is
+derived from the source inode in its signature, the same way the namespace derives it
+(`key_of_ino`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from shadefs.policy import Policy
+from shadefs.ssd import BLOCK, HSIZE, Signature, SsdStore
+
+log = logging.getLogger(__name__)
+
+# Entries up to this size are read synchronously in the trio thread on a hit (a local SSD
+# read of this size takes well under a millisecond); larger ones go through a thread.
+INLINE_READ = 1 << 20
+_RESTORE_CHUNK = 2048
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: int
+    relpath: bytes
+    data: bytes
+    sig: Signature
+
+
+class SsdTier:
+    """Index, policy and background workers of the SSD tier.
+
+    :store: the entry store (owns the directory lock)
+    :policy: decides admission and eviction, in disk bytes
+    :index: key -> (relpath, disk bytes) of the entries the tier knows
+    """
+
+    def __init__(
+        self,
+        store: SsdStore,
+        policy: Policy,
+        key_of_ino: Callable[[int], int],
+        *,
+        max_entry: int | None = None,
+        queue: int = 256,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.key_of_ino = key_of_ino
+        self._max_entry = max_entry
+        self.index: dict[int, tuple[bytes, int]] = {}
+        self.hits = 0
+        self.writes = 0
+        self.write_failures = 0
+        self.dropped_writes = 0
+        self.evictions = 0
+        self.restore_done = False
+        self.restore_entries = 0
+        self.restore_seconds = 0.0
+        self._send, self._recv = trio.open_memory_channel[_Pending](queue)
+        self._pending: set[int] = set()
+        # Disk bytes of entries being written: room taken before the store counts them, so
+        # concurrent writers cannot together overshoot the budget.
+        self._reserved = 0
+        self._wake_evictor = trio.Event()
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
+
+    @property
+    def max_entry(self) -> int:
+        if self._max_entry is not None:
+            return self._max_entry
+        return min(self.store.capacity // 8, 256 << 20)
+
+    @staticmethod
+    def disk_size(relpath: bytes, size: int) -> int:
+        """What one entry costs on disk (the store's `disk_bytes` accounting)."""
+        return math.ceil((HSIZE + len(relpath) + size) / BLOCK) * BLOCK
+
+    # --- the read path ------------------------------------------------------------------
+
+    def lookup(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
+        """The entry's bytes for a small file, read inline; None if it is not (validly) here."""
+        data = self.store.get(relpath, sig)
+        self._seen(key, relpath, sig, data)
+        return data
+
+    async def lookup_large(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
+        data = await trio.to_thread.run_sync(self.store.get, relpath, sig)
+        self._seen(key, relpath, sig, data)
+        return data
+
+    def _seen(self, key: int, relpath: bytes, sig: Signature, data: bytes | None) -> None:
+        known = key in self.index
+        if data is None:
+            if known:
+                # Corrupt or stale: the store has deleted the file already.
+                self._forget(key)
+            return
+        self.hits += 1
+        if not known:
+            # Found before the restore reached it: index it now.
+            self._index(key, relpath, sig.size)
+        self.policy.accessed(key, True)
+
+    def _index(self, key: int, relpath: bytes, size: int) -> None:
+        disk = self.disk_size(relpath, size)
+        self.index[key] = (relpath, disk)
+        self.policy.inserted(key, disk)
+
+    def _forget(self, key: int) -> None:
+        if self.index.pop(key, None) is not None:
+            self.policy.removed(key)
+
+    def missed(self, key: int) -> None:
+        self.policy.accessed(key, False)
+
+    def contains(self, key: int) -> bool:
+        return key in self.index
+
+    # --- write-behind -------------------------------------------------------------------
+
+    def offer(self, key: int, relpath: bytes, data: bytes, sig: Signature) -> None:
+        """Queue a freshly fetched file for the SSD (never blocks)."""
+        if len(data) > self.max_entry or key in self.index or key in self._pending:
+            return
+        try:
+            self._send.send_nowait(_Pending(key, relpath, data, sig))
+        except trio.WouldBlock:
+            self.dropped_writes += 1
+            return
+        self._pending.add(key)
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    async def writer(self) -> None:
+        """One write-behind worker; run several in the daemon's nursery."""
+        async for item in self._recv:
+            try:
+                await self._write(item)
+            finally:
+                self._pending.discard(item.key)
+
+    async def _write(self, item: _Pending) -> None:
+        disk = self.disk_size(item.relpath, len(item.data))
+        free = self.capacity - self.store.disk_bytes - self._reserved
+        victims = self.policy.admit(item.key, disk, free)
+        if victims is None:
+            return
+        for victim in victims:
+            await self._evict(victim)
+        if self.store.disk_bytes + self._reserved + disk > self.capacity:
+            return  # someone else took the room meanwhile
+        self._reserved += disk
+        try:
+            ok = await trio.to_thread.run_sync(self.store.put, item.relpath, item.data, item.sig)
+        finally:
+            self._reserved -= disk
+        if not ok:
+            self.write_failures += 1
+            return
+        self.writes += 1
+        if item.key not in self.index:
+            self._index(item.key, item.relpath, len(item.data))
+        if self.store.over_high_watermark():
+            self._wake_evictor.set()
+
+    async def _evict(self, key: int) -> None:
+        entry = self.index.get(key)
+        if entry is None:
+            return
+        self._forget(key)
+        self.evictions += 1
+        await trio.to_thread.run_sync(self.store.remove, entry[0])
+
+    async def evict(self, key: int) -> bool:
+        if key not in self.index:
+            return False
+        await self._evict(key)
+        return True
+
+    async def flush(self) -> None:
+        """Wait until every queued write is done (tests, warm-up, clean shutdown)."""
+        while self._pending:
+            await trio.sleep(0.01)
+
+    # --- restore and watermarks ---------------------------------------------------------
+
+    async def restore(self) -> None:
+        """Rebuild the index from the store's scan, in the background."""
+        t0 = time.monotonic()
+        scan = self.store.scan()
+        while True:
+            chunk = await trio.to_thread.run_sync(_next_chunk, scan)
+            for relpath, size, sig in chunk:
+                key = self.key_of_ino(sig.ino)
+                if key not in self.index:
+                    self._index(key, relpath, size)
+                    self.restore_entries += 1
+            if len(chunk) < _RESTORE_CHUNK:
+                break
+        self.restore_done = True
+        self.restore_seconds = time.monotonic() - t0
+        log.info(
+            "restored %d SSD entries (%.0f MB) in %.1f s",
+            self.restore_entries,
+            self.store.used_bytes / 1e6,
+            self.restore_seconds,
+        )
+        self._wake_evictor.set()
+
+    async def evictor(self, interval: float = 5.0) -> None:
+        """Keep the tier under its high watermark and the disk above its free floor."""
+        while True:
+            with trio.move_on_after(interval):
+                await self._wake_evictor.wait()
+            self._wake_evictor = trio.Event()
+            if not self.store.over_high_watermark():
+                continue
+            need = self.store.disk_bytes - int(0.85 * self.capacity)
+            need = max(need, self.store.min_free - self.store.disk_free())
+            victims = self.policy.shrink(need)
+            log.info("SSD tier above its high watermark: evicting %d entries", len(victims))
+            for key in victims:
+                await self._evict(key)
+
+    async def set_capacity(self, capacity: int) -> None:
+        self.store.capacity = capacity
+        if self.store.disk_bytes > capacity:
+            for key in self.policy.shrink(self.store.disk_bytes - capacity):
+                await self._evict(key)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "bytes": self.store.disk_bytes,
+            "data_bytes": self.store.used_bytes,
+            "capacity": self.capacity,
+            "entries": len(self.index),
+            "hits": self.hits,
+            "writes": self.writes,
+            "write_failures": self.write_failures,
+            "dropped_writes": self.dropped_writes,
+            "queued_writes": self.queued,
+            "evictions": self.evictions,
+            "corrupt_entries": self.store.corrupt_entries,
+            "stale_entries": self.store.stale_entries,
+            "disk_free": self.store.disk_free(),
+            "min_free": self.store.min_free,
+            "policy": self.policy.describe(),
+        }
+
+
+def _next_chunk(scan) -> list[tuple[bytes, int, Signature]]:  # type: ignore[no-untyped-def]
+    out = []
+    for item in scan:
+        out.append(item)
+        if len(out) >= _RESTORE_CHUNK:
+            break
+    return out
