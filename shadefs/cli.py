@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import subprocess
@@ -23,7 +22,9 @@ from shadefs.common import (
     EXIT_REJECTED,
     EXIT_USAGE,
     QuietError,
+    control_dir,
     parse_size,
+    read_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ _O_OPTIONS = {
     "log": ("log", True),
     "source_timeout": ("source_timeout", True),
     "source_threads": ("source_threads", True),
+    "ssd": ("ssd", True),
+    "ssd_min_free": ("ssd_min_free", True),
+    "revalidate": ("revalidate", True),
+    "metrics": ("metrics", True),
 }
 
 
@@ -80,7 +85,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     m.add_argument("--log", help="log file, 'syslog', 'stderr' or 'none'")
     m.add_argument("--source-timeout", type=float, help="seconds before a source call is EIO")
+    m.add_argument(
+        "--ssd",
+        metavar="DIR[:SIZE]",
+        help="local SSD cache directory and budget (default 80%% of free space)",
+    )
+    m.add_argument("--ssd-min-free", type=_size, help="free space to leave on the cache disk")
+    m.add_argument(
+        "--revalidate", type=float, help="seconds before a file is checked against SRC again (3600)"
+    )
     m.add_argument("--systemd", action="store_true", help="run as a Type=notify service")
+    m.add_argument(
+        "--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics (loopback by default)"
+    )
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     u = sub.add_parser("umount", help="unmount MNT and wait for its daemon to exit")
@@ -91,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stat", help="show the cache statistics of a mount")
     s.add_argument("mountpoint", metavar="MNT")
     s.add_argument("--json", action="store_true", help="print stats.json")
+    s.add_argument("--watch", action="store_true", help="a live view, refreshed every --interval")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+
+    w = sub.add_parser("warmup", help="read files into the cache ahead of training")
+    from shadefs import warmup
+
+    warmup.add_arguments(w)
 
     c = sub.add_parser("ctl", help="send a control command to a mount")
     c.add_argument("mountpoint", metavar="MNT")
@@ -122,18 +146,32 @@ def _mount_options(args: argparse.Namespace) -> object:
                 raise QuietError(f"mount option {key} takes no value")
             values[attr] = value if takes_value else True
     # Command-line flags win over -o.
-    for attr in ("ram", "policy", "max_entry", "log_level", "log", "source_timeout"):
+    for attr in (
+        "ram", "policy", "max_entry", "log_level", "log", "source_timeout", "ssd",
+        "ssd_min_free", "revalidate", "metrics",
+    ):  # fmt: skip
         v = getattr(args, attr)
         if v is not None:
             values[attr] = v
     if args.allow_other:
         values["allow_other"] = True
     try:
-        for attr in ("ram", "max_entry"):
+        for attr in ("ram", "max_entry", "ssd_min_free"):
             if isinstance(values.get(attr), str):
                 values[attr] = parse_size(values[attr])  # type: ignore[arg-type]
-        if isinstance(values.get("source_timeout"), str):
-            values["source_timeout"] = float(values["source_timeout"])  # type: ignore[arg-type]
+        for attr in ("source_timeout", "revalidate"):
+            if isinstance(values.get(attr), str):
+                values[attr] = float(values[attr])  # type: ignore[arg-type]
+        if values.get("ssd"):
+            # DIR[:SIZE]; a directory name may itself contain ':', so split at the last one
+            # only when what follows parses as a size.
+            path, sep, size = str(values["ssd"]).rpartition(":")
+            if sep and path:
+                try:
+                    values["ssd_size"] = parse_size(size)
+                    values["ssd"] = path
+                except ValueError:
+                    pass
         if isinstance(values.get("source_threads"), str):
             values["source_threads"] = int(values["source_threads"])  # type: ignore[arg-type]
     except ValueError as exc:
@@ -144,6 +182,13 @@ def _mount_options(args: argparse.Namespace) -> object:
         raise QuietError(f"unknown log level {values['log_level']!r}")
     if values.get("ram") is None:
         values["ram"] = default_ram()
+    if values.get("metrics"):
+        from shadefs.prom import parse_address
+
+        try:
+            parse_address(str(values["metrics"]))
+        except ValueError as exc:
+            raise QuietError(f"--metrics: {exc}") from None
     return MountOptions(
         source=args.source,
         mountpoint=args.mountpoint,
@@ -155,45 +200,30 @@ def _mount_options(args: argparse.Namespace) -> object:
 
 
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
-    from shadefs.mount import check_environment, run_daemon, spawn_background
+    from shadefs.mount import check_environment, spawn_background
 
     opts = _mount_options(args)
     check_environment(opts)  # type: ignore[arg-type]
     if opts.foreground:  # type: ignore[attr-defined]
+        from shadefs.daemon import run_daemon
+
         return run_daemon(opts, args.ready_fd)  # type: ignore[arg-type]
     return spawn_background(argv, opts)  # type: ignore[arg-type]
 
 
-def _control_dir(mountpoint: str) -> Path:
-    ctl = Path(mountpoint) / ".shadefs"
-    try:
-        ctl.stat()
-    except FileNotFoundError:
-        raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS) from None
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise QuietError(
-                f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
-                EXIT_NOT_SHADEFS,
-            ) from None
-        raise QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
-    return ctl
-
-
-def read_stats(mountpoint: str) -> dict[str, object]:
-    """stats.json of a mount (also used by tools/ and tests)."""
-    return json.loads((_control_dir(mountpoint) / "stats.json").read_bytes())
-
-
 def cmd_stat(args: argparse.Namespace) -> int:
-    ctl = _control_dir(args.mountpoint)
+    if args.watch:
+        from shadefs.watch import watch
+
+        return watch(args.mountpoint, args.interval)
+    ctl = control_dir(args.mountpoint)
     name = "stats.json" if args.json else "stats"
     sys.stdout.write((ctl / name).read_text())
     return 0
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
-    ctl = _control_dir(args.mountpoint) / "ctl"
+    ctl = control_dir(args.mountpoint) / "ctl"
     line = " ".join(args.words) + "\n"
     fd = os.open(ctl, os.O_WRONLY)
     try:
@@ -284,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ctl(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "warmup":
+            from shadefs import warmup
+
+            return warmup.run(args)
     except QuietError as exc:
         print(f"shadefs: error: {exc}", file=sys.stderr)
         return exc.exitcode
