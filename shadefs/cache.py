@@ -18,6 +18,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyfuse3
@@ -28,6 +30,9 @@ from shadefs.policy import Policy
 from shadefs.source import Source
 from shadefs.ssd import Signature
 from shadefs.ssdtier import INLINE_READ, SsdTier
+
+if TYPE_CHECKING:
+    from shadefs.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +48,15 @@ class Entry:
 
 
 class _Flight:
-    __slots__ = ("done", "data", "error", "waiters")
+    __slots__ = ("done", "data", "sig", "error", "waiters", "ahead")
 
-    def __init__(self) -> None:
+    def __init__(self, ahead: bool = False) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None
+        self.sig: Signature | None = None
         self.error: BaseException | None = None
         self.waiters = 0
+        self.ahead = ahead  # started by the prefetcher, not by a reader
 
 
 class Cache:
@@ -83,6 +90,8 @@ class Cache:
         self.refused = 0
         self.shared_fetches = 0
         self.ram_hits = 0
+        self.blocked = 0.0  # seconds that opens spent waiting for the source
+        self.prefetcher: Prefetcher | None = None
         self._flights: dict[int, _Flight] = {}
 
     @property
@@ -99,6 +108,9 @@ class Cache:
         """The file's bytes for a new handle, or None when it must be read through."""
         sig = Signature.of(st)
         ssd = self.ssd
+        prefetcher = self.prefetcher
+        if prefetcher is not None and prefetcher.plans:
+            prefetcher.observe(key)
         entry = self.entries.get(key)
         if entry is not None:
             if entry.sig == sig:
@@ -122,10 +134,19 @@ class Cache:
                 return data
             ssd.missed(key)
         self.metrics.misses += 1
+        if prefetcher is not None:
+            data = prefetcher.take(key, sig)
+            if data is not None:
+                self._adopt(key, path, data, sig)
+                return data
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
-        return await self._fetch(key, path)
+        t0 = time.monotonic()
+        try:
+            return await self._fetch(key, path)
+        finally:
+            self.blocked += time.monotonic() - t0
 
     async def _fetch(self, key: int, path: bytes) -> bytes:
         flight = self._flights.get(key)
@@ -136,12 +157,24 @@ class Cache:
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
-            assert flight.data is not None
+            assert flight.data is not None and flight.sig is not None
+            if flight.ahead:
+                # The prefetcher got it just in time: from here on it is an ordinary miss.
+                if self.prefetcher is not None:
+                    self.prefetcher.take(key, flight.sig)
+                self._adopt(key, path, flight.data, flight.sig)
             return flight.data
-        flight = self._flights[key] = _Flight()
+        data, sig = await self._fly(key, path, _Flight())
+        self._adopt(key, path, data, sig)
+        return data
+
+    async def _fly(self, key: int, path: bytes, flight: _Flight) -> tuple[bytes, Signature]:
+        """Fetch `path` from the source as the one flight for `key`."""
+        self._flights[key] = flight
         try:
             data, st = await self.source.read_file(path)
             flight.data = data
+            flight.sig = Signature.of(st)
         except BaseException as exc:
             flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
             if flight.error is None:
@@ -151,11 +184,22 @@ class Cache:
         finally:
             del self._flights[key]
             flight.done.set()
-        sig = Signature.of(st)
+        return data, flight.sig
+
+    async def fetch_ahead(self, key: int, path: bytes) -> tuple[bytes, Signature] | None:
+        """The prefetcher's fetch: shares single-flight with readers, admits nothing.
+
+        None when a reader is already fetching the file (the reader will cache it).
+        """
+        if key in self._flights:
+            return None
+        return await self._fly(key, path, _Flight(ahead=True))
+
+    def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
+        """A file that a reader missed: the tiers' policies decide whether it stays."""
         self._admit(key, data, sig)
         if self.ssd is not None:
             self.ssd.offer(key, path, data, sig)
-        return data
 
     def _admit(self, key: int, data: bytes, sig: Signature) -> None:
         size = len(data)

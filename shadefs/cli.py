@@ -49,6 +49,10 @@ _O_OPTIONS = {
     "ssd_min_free": ("ssd_min_free", True),
     "revalidate": ("revalidate", True),
     "metrics": ("metrics", True),
+    "prefetch": ("prefetch", True),
+    "prefetch_window": ("prefetch_window", True),
+    "prefetch_workers": ("prefetch_workers", True),
+    "prefetch_abandon": ("prefetch_abandon", True),
 }
 
 
@@ -75,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         "--ram", type=_size, help="RAM budget, e.g. 16G (default: 1/4 of available memory)"
     )
     m.add_argument(
-        "--policy", choices=["epoch", "lru", "shade"], help="eviction policy (default epoch)"
+        "--policy",
+        choices=["epoch", "lru", "shade", "belady"],
+        help="eviction policy (default epoch)",
     )
     m.add_argument(
         "--max-entry", type=_size, help="files larger than this are read through, not cached"
@@ -97,6 +103,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--systemd", action="store_true", help="run as a Type=notify service")
     m.add_argument(
         "--metrics", metavar="[HOST:]PORT", help="serve Prometheus metrics (loopback by default)"
+    )
+    m.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fetch the misses of a known order ahead of the reader (default: on)",
+    )
+    m.add_argument(
+        "--prefetch-window", type=_size, help="bytes staged ahead (default: RAM/4, 64M-1G)"
+    )
+    m.add_argument("--prefetch-workers", type=int, help="most fetches in flight (16)")
+    m.add_argument(
+        "--prefetch-abandon", type=float, help="seconds without progress that end a plan (60)"
     )
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
@@ -148,7 +167,8 @@ def _mount_options(args: argparse.Namespace) -> object:
     # Command-line flags win over -o.
     for attr in (
         "ram", "policy", "max_entry", "log_level", "log", "source_timeout", "ssd",
-        "ssd_min_free", "revalidate", "metrics",
+        "ssd_min_free", "revalidate", "metrics", "prefetch", "prefetch_window",
+        "prefetch_workers", "prefetch_abandon",
     ):  # fmt: skip
         v = getattr(args, attr)
         if v is not None:
@@ -156,12 +176,19 @@ def _mount_options(args: argparse.Namespace) -> object:
     if args.allow_other:
         values["allow_other"] = True
     try:
-        for attr in ("ram", "max_entry", "ssd_min_free"):
+        for attr in ("ram", "max_entry", "ssd_min_free", "prefetch_window"):
             if isinstance(values.get(attr), str):
                 values[attr] = parse_size(values[attr])  # type: ignore[arg-type]
-        for attr in ("source_timeout", "revalidate"):
+        for attr in ("source_timeout", "revalidate", "prefetch_abandon"):
             if isinstance(values.get(attr), str):
                 values[attr] = float(values[attr])  # type: ignore[arg-type]
+        if isinstance(values.get("prefetch_workers"), str):
+            values["prefetch_workers"] = int(values["prefetch_workers"])  # type: ignore[arg-type]
+        if isinstance(values.get("prefetch"), str):
+            flag = str(values["prefetch"]).lower()
+            if flag not in ("on", "off", "yes", "no", "true", "false", "1", "0"):
+                raise QuietError(f"prefetch=on or prefetch=off, not {flag!r}")
+            values["prefetch"] = flag in ("on", "yes", "true", "1")
         if values.get("ssd"):
             # DIR[:SIZE]; a directory name may itself contain ':', so split at the last one
             # only when what follows parses as a size.
@@ -176,8 +203,8 @@ def _mount_options(args: argparse.Namespace) -> object:
             values["source_threads"] = int(values["source_threads"])  # type: ignore[arg-type]
     except ValueError as exc:
         raise QuietError(str(exc)) from None
-    if values.get("policy", "epoch") not in ("epoch", "lru", "shade"):
-        raise QuietError(f"unknown policy {values['policy']!r} (choose epoch, lru or shade)")
+    if values.get("policy", "epoch") not in ("epoch", "lru", "shade", "belady"):
+        raise QuietError(f"unknown policy {values['policy']!r} (epoch, lru, shade or belady)")
     if values.get("log_level", "info") not in ("debug", "info", "warning", "error"):
         raise QuietError(f"unknown log level {values['log_level']!r}")
     if values.get("ram") is None:

@@ -38,6 +38,7 @@ from shadefs.common import format_size, parse_size
 from shadefs.metrics import Metrics, render_text
 from shadefs.namespace import Namespace
 from shadefs.policy import POLICIES, make_policy
+from shadefs.prefetch import Plan, Prefetcher
 from shadefs.sampling import Sampling, SamplingError
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ ram SIZE             set the RAM budget (bytes or K/M/G/T suffix); shrinking evi
 ssd SIZE             set the SSD budget (needs --ssd)
 drop                 drop every cached file from RAM (the SSD tier is kept)
 evict PATH...        drop these files (relative to the mount root) from every tier
+prefetch PATH...     fetch these files ahead, in this order (a small plan)
+plan-drop NAME|all   forget prefetch plans (names in stats.json, prefetch.plan_positions)
 epoch N              the training job starts epoch N
 report [epoch=N] [train_loss=X] [val_accuracy=Y]
                      end-of-epoch progress (adapts the replay factor)
@@ -84,19 +87,22 @@ _DATASET = _Spec(b"dataset", 7, stat.S_IFREG | 0o600)
 _LOSSES = _Spec(b"losses", 8, stat.S_IFREG | 0o200)
 _ORDER = _Spec(b"order", 9, stat.S_IFREG | 0o600)
 _RESIDENCY = _Spec(b"residency", 10, stat.S_IFREG | 0o600)
-_FILES = (_STATS, _STATS_JSON, _METRICS, _CTL, _DATASET, _LOSSES, _ORDER, _RESIDENCY)
+_PLAN = _Spec(b"plan", 11, stat.S_IFREG | 0o200)
+_FILES = (_STATS, _STATS_JSON, _METRICS, _CTL, _DATASET, _LOSSES, _ORDER, _RESIDENCY, _PLAN)
 _BY_NAME = {s.name: s for s in _FILES}
 _BY_INO = {s.ino: s for s in _FILES}
 
 
 class _Handle:
-    __slots__ = ("spec", "data", "pending", "poisoned")
+    __slots__ = ("spec", "data", "pending", "poisoned", "plan", "name")
 
-    def __init__(self, spec: _Spec, data: bytes | bytearray) -> None:
+    def __init__(self, spec: _Spec, data: bytes | bytearray, name: str = "") -> None:
         self.spec = spec
         self.data = data  # what reads return
         self.pending = bytearray()  # written bytes not yet processed
         self.poisoned = False
+        self.plan: list[tuple[np.ndarray, list[bytes], np.ndarray]] = []
+        self.name = name  # a plan's name: who wrote it
 
 
 class Control:
@@ -110,6 +116,7 @@ class Control:
         sampling: Sampling,
         stats: Callable[[], dict[str, object]],
         *,
+        prefetcher: Prefetcher | None = None,
         uid: int | None = None,
         gid: int | None = None,
     ) -> None:
@@ -117,6 +124,7 @@ class Control:
         self.metrics = metrics
         self.ns = ns
         self.sampling = sampling
+        self.prefetcher = prefetcher
         self.stats = stats
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
@@ -182,7 +190,8 @@ class Control:
             raise pyfuse3.FUSEError(errno.EACCES)
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(spec, self._content(spec))
+        # One plan per writing process: a job that writes a new plan replaces its old one.
+        self._handles[fh] = _Handle(spec, self._content(spec), f"plan:pid={ctx.pid}")
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     def _content(self, spec: _Spec) -> bytes | bytearray:
@@ -227,6 +236,8 @@ class Control:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
+        if handle is not None and handle.spec is _PLAN and handle.plan and not handle.poisoned:
+            self._install_plan(handle)
         stream = handle is not None and handle.spec in (_DATASET, _LOSSES, _ORDER)
         if stream and handle.pending and not handle.poisoned:
             log.warning(
@@ -241,6 +252,8 @@ class Control:
             await self.execute(buf)
         elif spec is _RESIDENCY:
             await self._residency(handle, buf)
+        elif spec is _PLAN:
+            await self._plan_lines(handle, buf)
         elif spec in (_DATASET, _LOSSES, _ORDER):
             handle.pending += buf
             for message in _complete_messages(handle.pending):
@@ -258,19 +271,54 @@ class Control:
         else:
             request = wire.decode_order_request(message)
             self.cache.begin_epoch(request.epoch)
-            handle.data = self.sampling.order(request, self._resident)
+            share = self.sampling.order(request, self._resident)
+            handle.data = wire.encode_order_response(request.epoch, share)
+            if self.prefetcher is not None:
+                # The daemon now knows what this rank reads next: prefetch its misses.
+                s = self.sampling
+                name = f"order:seed={request.seed}:world={request.world_size}:rank={request.rank}"
+                paths = [os.fsencode(s.paths[i]) for i in share.tolist()]
+                self.prefetcher.add_plan(Plan(name, s.keys[share], paths, s.sizes[share]))
 
-    async def _resolve_dataset(self, paths: list[str]) -> np.ndarray:
-        stats = await self.ns.resolve([os.fsencode(p) for p in paths])
-        keys = np.empty(len(paths), dtype=np.uint64)
+    async def _resolve_dataset(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        return await self._resolve_files([os.fsencode(p) for p in paths])
+
+    async def _resolve_files(self, rels: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(cache keys, sizes) of regular files, or SamplingError naming the first bad one."""
+        stats = await self.ns.resolve(rels)
+        keys = np.empty(len(rels), dtype=np.uint64)
+        sizes = np.empty(len(rels), dtype=np.int64)
         for i, st in enumerate(stats):
             if st is None or not stat.S_ISREG(st.st_mode):
-                raise SamplingError(f"{paths[i]!r} is not a regular file in the mount")
+                raise SamplingError(f"{os.fsdecode(rels[i])!r} is not a regular file in the mount")
             keys[i] = self.ns.ino_of(st)
-        return keys
+            sizes[i] = st.st_size
+        return keys, sizes
 
     def _resident(self, keys: np.ndarray) -> np.ndarray:
         return np.isin(keys, self.cache.resident_keys())
+
+    async def _plan_lines(self, handle: _Handle, buf: bytes) -> None:
+        """A job's own read order, one relative path per line; installed at close."""
+        if self.prefetcher is None:
+            raise CommandError("prefetching is off (mounted with --no-prefetch)")
+        handle.pending += buf
+        if b"\n" not in handle.pending:
+            if len(handle.pending) > _MAX_LINE:
+                raise CommandError("plan: line too long")
+            return
+        complete, _, rest = bytes(handle.pending).rpartition(b"\n")
+        handle.pending = bytearray(rest)
+        rels = [_relpath(p) for p in complete.split(b"\n")]
+        keys, sizes = await self._resolve_files(rels)
+        handle.plan.append((keys, rels, sizes))
+
+    def _install_plan(self, handle: _Handle) -> None:
+        assert self.prefetcher is not None
+        keys = np.concatenate([k for k, _, _ in handle.plan])
+        sizes = np.concatenate([z for _, _, z in handle.plan])
+        rels = [r for _, chunk, _ in handle.plan for r in chunk]
+        self.prefetcher.add_plan(Plan(handle.name, keys, rels, sizes))
 
     async def _residency(self, handle: _Handle, buf: bytes) -> None:
         handle.pending += buf
@@ -321,8 +369,9 @@ class Control:
     async def _cmd_policy(self, args: list[str]) -> Callable[[], Awaitable[str]]:
         _nargs("policy", args, 1)
         try:
-            policy = make_policy(args[0], self.sampling.score_of)
-            ssd_policy = make_policy(args[0], self.sampling.score_of)
+            next_use = self.prefetcher.next_use if self.prefetcher else None
+            policy = make_policy(args[0], self.sampling.score_of, next_use)
+            ssd_policy = make_policy(args[0], self.sampling.score_of, next_use)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
 
@@ -377,6 +426,38 @@ class Control:
         async def apply() -> str:
             evicted = [await self.cache.evict(k) for k in keys]
             return f"evicted {sum(evicted)} of {len(keys)} files"
+
+        return apply
+
+    async def _cmd_prefetch(self, args: list[str]) -> Callable[[], Awaitable[str]]:
+        if not args:
+            raise CommandError("prefetch takes one or more paths")
+        if self.prefetcher is None:
+            raise CommandError("prefetching is off (mounted with --no-prefetch)")
+        rels = [_relpath(a.encode()) for a in args]
+        try:
+            keys, sizes = await self._resolve_files(rels)
+        except SamplingError as exc:
+            raise CommandError(f"prefetch: {exc}") from None
+        prefetcher = self.prefetcher
+
+        async def apply() -> str:
+            prefetcher.add_plan(Plan(f"ctl:{len(prefetcher.plans)}", keys, rels, sizes))
+            return f"prefetching {len(rels)} files"
+
+        return apply
+
+    async def _cmd_plan_drop(self, args: list[str]) -> Callable[[], Awaitable[str]]:
+        _nargs("plan-drop", args, 1)
+        prefetcher = self.prefetcher
+        if prefetcher is None:
+            raise CommandError("prefetching is off (mounted with --no-prefetch)")
+        names = list(prefetcher.plans) if args[0] == "all" else [args[0]]
+        if args[0] != "all" and args[0] not in prefetcher.plans:
+            raise CommandError(f"no plan named {args[0]!r}")
+
+        async def apply() -> str:
+            return f"dropped {sum(prefetcher.drop_plan(n) for n in names)} plans"
 
         return apply
 
@@ -442,6 +523,8 @@ _PARSERS = {
     "ssd": Control._cmd_ssd,
     "drop": Control._cmd_drop,
     "evict": Control._cmd_evict,
+    "prefetch": Control._cmd_prefetch,
+    "plan-drop": Control._cmd_plan_drop,
     "epoch": Control._cmd_epoch,
     "report": Control._cmd_report,
     "replay": Control._cmd_replay,

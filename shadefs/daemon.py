@@ -26,6 +26,7 @@ from shadefs.metrics import Metrics, snapshot
 from shadefs.mount import MountOptions, check_environment
 from shadefs.namespace import Namespace
 from shadefs.policy import make_policy
+from shadefs.prefetch import Prefetcher
 from shadefs.sampling import Sampling
 from shadefs.source import Source
 from shadefs.ssd import CacheLocked, SsdStore
@@ -120,29 +121,47 @@ def build(opts: MountOptions) -> tuple[Operations, dict[str, object]]:
             raise QuietError(str(exc), EXIT_CACHE_LOCKED) from None
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
-        ssd = SsdTier(store, make_policy(opts.policy, sampling.score_of), ns.key_of_ino)
+        ssd = SsdTier(store, make_policy("epoch"), ns.key_of_ino)
     cache = Cache(
         source,
-        make_policy(opts.policy, sampling.score_of),
+        make_policy("epoch"),
         metrics,
         capacity=opts.ram,
         max_entry=opts.max_entry,
         ssd=ssd,
+    )
+    prefetcher = None
+    if opts.prefetch:
+        window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
+        prefetcher = Prefetcher(
+            cache,
+            window=window,
+            max_workers=opts.prefetch_workers,
+            abandon_after=opts.prefetch_abandon,
+        )
+        cache.prefetcher = prefetcher
+    next_use = prefetcher.next_use if prefetcher else None
+    cache.set_policy(
+        make_policy(opts.policy, sampling.score_of, next_use),
+        make_policy(opts.policy, sampling.score_of, next_use),
     )
     mnt = os.path.abspath(opts.mountpoint)
 
     def stats() -> dict[str, object]:
         s = snapshot(metrics, cache, ns, source, mnt)
         s["sampler"] = sampling.describe()
+        if prefetcher is not None:
+            s["prefetch"] = prefetcher.describe()
         return s
 
-    control = Control(cache, metrics, ns, sampling, stats)
+    control = Control(cache, metrics, ns, sampling, stats, prefetcher=prefetcher)
     ops = Operations(ns, cache, control, metrics, source)
     parts = {"source": source, "ns": ns, "cache": cache, "metrics": metrics}
     parts["sampling"] = sampling
     parts["control"] = control
     parts["ssd"] = ssd
     parts["stats"] = stats
+    parts["prefetcher"] = prefetcher
     return ops, parts
 
 
@@ -176,7 +195,7 @@ def _run(opts: MountOptions, ready_fd: int | None) -> int:
     log.info("mounted %s on %s (ram %d bytes, policy %s)", opts.source, mnt, opts.ram, opts.policy)
     clean = False
     try:
-        trio.run(_serve, opts, mnt, ready_fd, ssd, token)
+        trio.run(_serve, opts, mnt, ready_fd, parts, token)
         clean = True
     finally:
         # A daemon that dies while serving leaves its mount answering ENOTCONN, so that a
@@ -193,14 +212,17 @@ async def _serve(
     opts: MountOptions,
     mnt: str,
     ready_fd: int | None,
-    ssd: SsdTier | None,
+    parts: dict[str, object],
     token: list[trio.lowlevel.TrioToken],
 ) -> None:
     token.append(trio.lowlevel.current_trio_token())
+    ssd, prefetcher = parts["ssd"], parts["prefetcher"]
     async with trio.open_nursery() as nursery:
+        if isinstance(prefetcher, Prefetcher):
+            nursery.start_soon(prefetcher.run)
         nursery.start_soon(_signals)
         nursery.start_soon(_announce_ready, opts, mnt, ready_fd)
-        if ssd is not None:
+        if isinstance(ssd, SsdTier):
             nursery.start_soon(ssd.restore)
             nursery.start_soon(ssd.evictor)
             for _ in range(4):

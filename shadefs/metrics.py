@@ -70,6 +70,7 @@ def snapshot(
         "refused": cache.refused,
         "passthrough_opens": metrics.passthrough_opens,
         "fetches_shared": cache.shared_fetches,
+        "blocked_seconds": round(cache.blocked, 6),
         "revalidations": ns.revalidations,
         "changed_files": ns.changed_files,
         "inodes_known": len(ns.nodes),

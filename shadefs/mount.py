@@ -50,6 +50,10 @@ class MountOptions:
     ssd_size: int | None = None
     ssd_min_free: int | None = None
     metrics: str | None = None
+    prefetch: bool = True
+    prefetch_window: int | None = None
+    prefetch_workers: int = 16
+    prefetch_abandon: float = 60.0
     extra_fuse: list[str] = field(default_factory=list)
 
 

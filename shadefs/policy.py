@@ -16,6 +16,7 @@ which replays resident samples. Later policies (clairvoyant) implement the same 
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -274,6 +275,91 @@ class ShadePolicy(Policy):
         return d
 
 
+class BeladyPolicy(Policy):
+    """Belady's MIN on a known order: evict what is needed furthest in the future.
+
+    `next_use(key)` estimates when `key` is read next: a monotonic time from the prefetch
+    plans, or any quantity that grows with distance in a known order. Keys that no plan
+    reads again are infinitely far. The rule (Lobster): never evict an entry whose next
+    use comes before that of the entry being brought in. A miss whose own next use is
+    furthest is not admitted at all (MIN with bypass). With no known order, every key is
+    infinitely far, nothing is ever displaced, and the cache keeps what it filled up with.
+
+    Entries sit in a sorted list under the estimate they had when last ranked. Estimates
+    only move when a key is read (its next use jumps to the following occurrence) or when
+    the readers' rates change, so each entry is re-ranked when read, and the furthest
+    entry is checked again before it is evicted (a lazy priority queue).
+    """
+
+    name = "belady"
+
+    def __init__(self, next_use: Callable[[int], float]) -> None:
+        super().__init__()
+        self.next_use = next_use
+        self._ranked: SortedList = SortedList()
+        self._rank_of: dict[int, float] = {}
+
+    def _rank(self, key: int) -> None:
+        old = self._rank_of.get(key)
+        if old is not None:
+            self._ranked.remove((old, key))
+        t = self.next_use(key)
+        self._rank_of[key] = t
+        self._ranked.add((t, key))
+
+    def inserted(self, key: int, size: int) -> None:
+        super().inserted(key, size)
+        self._rank(key)
+
+    def removed(self, key: int) -> None:
+        super().removed(key)
+        t = self._rank_of.pop(key, None)
+        if t is not None:
+            self._ranked.remove((t, key))
+
+    def accessed(self, key: int, hit: bool) -> None:
+        if key in self._rank_of:
+            self._rank(key)
+
+    def _furthest(self) -> Iterable[tuple[float, int]]:
+        """Entries from the furthest next use down, each re-checked before it is offered."""
+        i = len(self._ranked) - 1
+        while i >= 0:
+            t, key = self._ranked[i]
+            now = self.next_use(key)
+            if not (math.isinf(now) and math.isinf(t)) and not abs(now - t) <= 1e-3:
+                self._rank(key)
+                i = min(i, len(self._ranked) - 1)
+                if self._ranked[i] != (now, key):
+                    continue  # it moved: look at whatever is at this position now
+            yield now, key
+            i -= 1
+
+    def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        need = size - free
+        if need <= 0:
+            return []
+        incoming = self.next_use(key)
+        victims = []
+        for t, victim in self._furthest():
+            if not t > incoming:
+                return None  # everything left is needed no later than the newcomer
+            victims.append(victim)
+            need -= self.sizes[victim]
+            if need <= 0:
+                return victims
+        return None
+
+    def shrink(self, need: int) -> list[int]:
+        victims = []
+        for _, key in self._furthest():
+            if need <= 0:
+                break
+            victims.append(key)
+            need -= self.sizes[key]
+        return victims
+
+
 def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[int] | None:
     """The shortest prefix of `candidates` whose sizes add up to `need`, or None."""
     if need <= 0:
@@ -287,15 +373,22 @@ def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[i
     return None
 
 
-POLICIES = ("epoch", "lru", "shade")
+POLICIES = ("epoch", "lru", "shade", "belady")
 
 
-def make_policy(name: str, score: Callable[[int], float] | None = None) -> Policy:
-    """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None)."""
+def make_policy(
+    name: str,
+    score: Callable[[int], float] | None = None,
+    next_use: Callable[[int], float] | None = None,
+) -> Policy:
+    """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
+    `belady` by `next_use` (every key infinitely far if None)."""
     if name == "epoch":
         return EpochPolicy()
     if name == "lru":
         return LruPolicy()
     if name == "shade":
         return ShadePolicy(score or (lambda key: 0.5))
+    if name == "belady":
+        return BeladyPolicy(next_use or (lambda key: math.inf))
     raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")

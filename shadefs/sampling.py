@@ -45,6 +45,7 @@ class Sampling:
     def __init__(self) -> None:
         self.paths: list[str] = []
         self.keys = np.zeros(0, dtype=np.uint64)
+        self.sizes = np.zeros(0, dtype=np.int64)
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self.table = ImportanceTable(0)
@@ -65,16 +66,19 @@ class Sampling:
     # --- registration -----------------------------------------------------------------
 
     async def register(
-        self, paths: list[str], resolve: Callable[[list[str]], Awaitable[np.ndarray]]
+        self,
+        paths: list[str],
+        resolve: Callable[[list[str]], Awaitable[tuple[np.ndarray, np.ndarray]]],
     ) -> None:
-        """Adopt `paths` as the dataset; `resolve` maps them to cache keys or raises."""
+        """Adopt `paths` as the dataset; `resolve` maps them to (cache keys, sizes) or raises."""
         if paths == self.paths:
             log.info("dataset re-registered unchanged (%d samples): keeping the table", self.n)
             return
-        keys = await resolve(paths)
+        keys, sizes = await resolve(paths)
         order = np.argsort(keys, kind="stable")
         self.paths = paths
         self.keys = keys
+        self.sizes = sizes
         self._sorted_keys = keys[order]
         self._sorted_ids = order.astype(np.int64)
         self.table = ImportanceTable(len(paths))
@@ -168,8 +172,7 @@ class Sampling:
             while len(self._orders) > _ORDERS_KEPT:
                 self._orders.popitem(last=False)
         self.orders_served += 1
-        share = pads.rank_slice(full, request.world_size, request.rank)
-        return wire.encode_order_response(request.epoch, share)
+        return pads.rank_slice(full, request.world_size, request.rank)
 
     def describe(self) -> dict[str, object]:
         return {

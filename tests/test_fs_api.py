@@ -95,7 +95,17 @@ async def test_control_dir_hidden_but_reachable(tmp_path: Path) -> None:
     attrs = await ops.lookup(ROOT_INODE, NAME, CTX)
     assert attrs.st_ino == DIR_INODE and attrs.st_mode & 0o777 == 0o700
     assert sorted(await readdir_names(ops, DIR_INODE)) == sorted(
-        [b"ctl", b"stats", b"stats.json", b"metrics", b"dataset", b"losses", b"order", b"residency"]
+        [
+            b"ctl",
+            b"stats",
+            b"stats.json",
+            b"metrics",
+            b"dataset",
+            b"losses",
+            b"order",
+            b"residency",
+            b"plan",
+        ]
     )
     stats_ino = (await ops.lookup(DIR_INODE, b"stats.json", CTX)).st_ino
     stats = json.loads(await read_all(ops, stats_ino))

@@ -1,0 +1,323 @@
+"""Clairvoyant prefetching: fetch the upcoming misses of a known order before they are read.
+
+Once the daemon knows the future, a miss should cost bandwidth but not a stall (NoPFS). The
+future comes from *plans*: the share of an epoch's PADS order that a rank read back, or a
+list of paths a job wrote to `.shadefs/plan` (for jobs with their own sampler). A plan is a
+sequence of cache keys. The reader's position in it (its cursor) is inferred by matching
+every open against the plan, so no cooperation from the reading processes is needed, and
+DataLoader workers that read slightly out of order are tolerated.
+
+Prefetched files go into a *staging buffer*, bounded in bytes by the lookahead window and
+separate from the cache budget (NoPFS's staging class). Prefetching therefore never evicts
+anything from the cache tiers. When the reader opens a staged file it is served from
+staging, and the cache's policy then decides, as for any miss, whether it stays. The
+Belady policy (policy.py) uses `next_use` to evict by furthest next use.
+
+Scheduling (Lobster):
+
+- per-reader balance: the next fetch goes to the plan with the fewest entries buffered ahead
+  of its reader, so the reader closest to a stall is served first;
+- adaptive concurrency: by Little's law, the number of fetches in flight needed to keep up is
+  the readers' consumption rate times the source latency. Both are measured (EWMA), and the
+  target is bounded by `max_workers`. So the prefetcher neither starves the readers nor
+  floods the source with more requests than the readers can use.
+
+A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
+or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
+then dropped and counted as wasted. All tasks run in the daemon's nursery and stop with it
+at unmount.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyfuse3
+import trio
+
+from shadefs.ssd import Signature
+
+if TYPE_CHECKING:
+    from shadefs.cache import Cache
+
+log = logging.getLogger(__name__)
+
+# How far behind its cursor a read may land and still count as progress in the plan
+# (DataLoader workers read whole batches in parallel, slightly out of order).
+_MATCH_BEHIND = 4096
+# How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
+# taken for another job's read of the same file, and leaves the cursor alone).
+_MATCH_AHEAD = 4096
+_DEFAULT_RATE = 100.0  # reads/s assumed for a plan before it has been observed
+_EWMA = 0.2
+
+
+class Plan:
+    """A known future read order: keys, the paths to fetch them from, their sizes."""
+
+    def __init__(
+        self, name: str, keys: np.ndarray, paths: Sequence[bytes], sizes: np.ndarray
+    ) -> None:
+        if not len(keys) == len(paths) == len(sizes):
+            raise ValueError("a plan needs one path and one size per key")
+        self.name = name
+        self.keys = keys.astype(np.uint64, copy=False)
+        self.paths = paths
+        self.sizes = sizes.astype(np.int64, copy=False)
+        self.cursor = 0  # the reader's next position
+        self.frontier = 0  # the prefetcher's next position to consider
+        order = np.argsort(self.keys, kind="stable")
+        self._sorted = self.keys[order]
+        self._positions = order.astype(np.int64)  # ascending within each key (stable sort)
+        now = time.monotonic()
+        self.created = now
+        self.last_progress = now
+        self.rate = _DEFAULT_RATE
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= len(self.keys)
+
+    def _occurrences(self, key: int) -> np.ndarray:
+        lo = int(np.searchsorted(self._sorted, key, "left"))
+        hi = int(np.searchsorted(self._sorted, key, "right"))
+        return self._positions[lo:hi]
+
+    def observe(self, key: int, now: float) -> bool:
+        """Note a read of `key`; advance the cursor if this plan expects it there.
+
+        The expected read is the key's first occurrence at or after the cursor (within
+        _MATCH_AHEAD). A read of an occurrence shortly behind the cursor (another DataLoader
+        worker finishing an earlier batch) is progress too, but does not move the cursor.
+        """
+        occ = self._occurrences(key)
+        if not len(occ):
+            return False
+        i = int(np.searchsorted(occ, self.cursor))
+        if i < len(occ) and occ[i] - self.cursor <= _MATCH_AHEAD:
+            pos = int(occ[i])
+            dt = now - self.last_progress
+            if dt > 0:
+                inst = (pos + 1 - self.cursor) / dt
+                self.rate = (1 - _EWMA) * self.rate + _EWMA * inst if self.reads else inst
+            self.cursor = pos + 1
+        elif not (i > 0 and self.cursor - occ[i - 1] <= _MATCH_BEHIND):
+            return False
+        self.last_progress = now
+        self.reads += 1
+        return True
+
+    def next_use(self, key: int) -> float:
+        """Reads until `key` is needed again by this plan's reader (inf if never)."""
+        occ = self._occurrences(key)
+        i = int(np.searchsorted(occ, self.cursor))
+        return float(occ[i] - self.cursor) if i < len(occ) else math.inf
+
+
+class Prefetcher:
+    """Fetches the upcoming misses of every active plan into a bounded staging buffer."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        *,
+        window: int,
+        max_workers: int = 16,
+        abandon_after: float = 60.0,
+    ) -> None:
+        self.cache = cache
+        self.window = window
+        self.max_workers = max_workers
+        self.abandon_after = abandon_after
+        self.plans: dict[str, Plan] = {}
+        self.staged: dict[int, tuple[bytes, Signature]] = {}
+        self.staged_bytes = 0
+        self._inflight: dict[int, int] = {}  # key -> size
+        self._inflight_bytes = 0
+        self._wake = trio.Event()
+        self.latency = 0.01  # seconds per fetch, EWMA
+        self.fetched = 0
+        self.fetched_bytes = 0
+        self.served = 0
+        self.wasted = 0
+        self.errors = 0
+        self.skipped = 0
+        self.plans_done = 0
+        self.plans_abandoned = 0
+
+    # --- plans --------------------------------------------------------------------------
+
+    def add_plan(self, plan: Plan) -> None:
+        old = self.plans.pop(plan.name, None)
+        if old is not None:
+            log.debug("plan %s replaced", plan.name)
+        self.plans[plan.name] = plan
+        self._drop_unplanned()
+        self._wake.set()
+        log.info("prefetch plan %s: %d reads", plan.name, len(plan))
+
+    def drop_plan(self, name: str) -> bool:
+        if self.plans.pop(name, None) is None:
+            return False
+        self._drop_unplanned()
+        return True
+
+    def observe(self, key: int) -> None:
+        """Called for every open of a regular file (the readers' progress)."""
+        now = time.monotonic()
+        for plan in self.plans.values():
+            if plan.observe(key, now):
+                self._wake.set()
+
+    def next_use(self, key: int) -> float:
+        """Estimated monotonic time of `key`'s next read over all plans (inf if none).
+
+        Anchored at each plan's last observed progress rather than at "now", so that an
+        estimate stays put while the reader keeps its pace (the Belady policy relies on it).
+        """
+        best = math.inf
+        for plan in self.plans.values():
+            reads = plan.next_use(key)
+            if reads != math.inf:
+                best = min(best, plan.last_progress + reads / max(plan.rate, 1e-3))
+        return best
+
+    # --- the read side --------------------------------------------------------------------
+
+    def take(self, key: int, sig: Signature) -> bytes | None:
+        """The staged bytes of `key` if they match the file's current signature."""
+        item = self.staged.pop(key, None)
+        if item is None:
+            return None
+        data, staged_sig = item
+        self.staged_bytes -= len(data)
+        self._wake.set()
+        if staged_sig != sig:
+            self.wasted += 1
+            return None
+        self.served += 1
+        return data
+
+    # --- the fetch side -------------------------------------------------------------------
+
+    def target_workers(self) -> int:
+        rate = sum(p.rate for p in self.plans.values() if not p.done)
+        return max(1, min(self.max_workers, math.ceil(rate * self.latency) + 1))
+
+    def _next_item(self) -> tuple[Plan, int] | None:
+        active = [p for p in self.plans.values() if not p.done]
+        # Lobster: the reader with the least buffered ahead of it goes first.
+        active.sort(key=lambda p: max(p.frontier - p.cursor, 0))
+        for plan in active:
+            plan.frontier = max(plan.frontier, plan.cursor)
+            while plan.frontier < len(plan):
+                pos = plan.frontier
+                size = int(plan.sizes[pos])
+                if self.staged_bytes + self._inflight_bytes + size > self.window:
+                    if size > self.window:
+                        plan.frontier += 1  # can never fit: the reader fetches it itself
+                        self.skipped += 1
+                        continue
+                    break  # window full for now: try the next plan
+                plan.frontier += 1
+                key = int(plan.keys[pos])
+                if key in self.staged or key in self._inflight or self.cache.tier_of(key):
+                    continue
+                return plan, pos
+        return None
+
+    async def run(self) -> None:
+        """The scheduler; runs until cancelled (unmount)."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                with trio.move_on_after(0.5):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                self._expire()
+                while len(self._inflight) < self.target_workers():
+                    item = self._next_item()
+                    if item is None:
+                        break
+                    plan, pos = item
+                    key, size = int(plan.keys[pos]), int(plan.sizes[pos])
+                    self._inflight[key] = size
+                    self._inflight_bytes += size
+                    nursery.start_soon(self._fetch, key, plan.paths[pos], size)
+
+    async def _fetch(self, key: int, path: bytes, size: int) -> None:
+        t0 = time.monotonic()
+        try:
+            fetched = await self.cache.fetch_ahead(key, path)
+        except pyfuse3.FUSEError as exc:
+            self.errors += 1
+            log.debug("prefetch of %r failed: errno %d", path, exc.errno)
+            fetched = None
+        finally:
+            del self._inflight[key]
+            self._inflight_bytes -= size
+            self._wake.set()
+        if fetched is None:
+            return
+        data, sig = fetched
+        dt = time.monotonic() - t0
+        self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
+        self.fetched += 1
+        self.fetched_bytes += len(data)
+        if key in self.staged or self.cache.tier_of(key) or not self._planned(key):
+            return
+        self.staged[key] = (data, sig)
+        self.staged_bytes += len(data)
+
+    def _planned(self, key: int) -> bool:
+        return any(p.next_use(key) != math.inf for p in self.plans.values())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        ended = []
+        for name, plan in self.plans.items():
+            if plan.done:
+                self.plans_done += 1
+                ended.append(name)
+            elif now - plan.last_progress > self.abandon_after:
+                self.plans_abandoned += 1
+                log.info("prefetch plan %s abandoned at %d of %d", name, plan.cursor, len(plan))
+                ended.append(name)
+        for name in ended:
+            del self.plans[name]
+        if ended:
+            self._drop_unplanned()
+
+    def _drop_unplanned(self) -> None:
+        for key in [k for k in self.staged if not self._planned(k)]:
+            data, _ = self.staged.pop(key)
+            self.staged_bytes -= len(data)
+            self.wasted += 1
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "plans": len(self.plans),
+            "plan_positions": {n: [p.cursor, len(p)] for n, p in self.plans.items()},
+            "fetched": self.fetched,
+            "fetched_bytes": self.fetched_bytes,
+            "served": self.served,
+            "wasted": self.wasted,
+            "errors": self.errors,
+            "skipped": self.skipped,
+            "staged": len(self.staged),
+            "staged_bytes": self.staged_bytes,
+            "inflight": len(self._inflight),
+            "workers_target": self.target_workers(),
+            "latency_ms": round(self.latency * 1000, 3),
+            "window": self.window,
+            "plans_done": self.plans_done,
+            "plans_abandoned": self.plans_abandoned,
+        }

@@ -1,0 +1,247 @@
+"""Clairvoyant prefetching and Belady eviction on a known order."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shadefs.policy import BeladyPolicy
+from shadefs.prefetch import Plan, Prefetcher
+from tests.conftest import require_fuse, shadefs_cmd
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- Belady against an exhaustive MIN -------------------------------------------------
+
+
+def brute_force_min(trace: list[int], cap: int) -> int:
+    """The most hits any demand cache of `cap` unit entries can get on `trace`:
+    an exhaustive search over every admit/bypass and every victim choice."""
+
+    @functools.cache
+    def best(t: int, cache: frozenset[int]) -> int:
+        if t == len(trace):
+            return 0
+        x = trace[t]
+        if x in cache:
+            return 1 + best(t + 1, cache)
+        options = [best(t + 1, cache)]  # bypass
+        if len(cache) < cap:
+            options.append(best(t + 1, cache | {x}))
+        else:
+            options += [best(t + 1, (cache - {v}) | {x}) for v in cache]
+        return max(options)
+
+    return best(0, frozenset())
+
+
+def belady_hits(trace: list[int], cap: int) -> int:
+    plan = Plan("t", np.array(trace, dtype=np.uint64), [b""] * len(trace), np.ones(len(trace)))
+
+    def next_use(key: int) -> float:
+        return plan.cursor + plan.next_use(key)  # an absolute position: stable as it advances
+
+    policy = BeladyPolicy(next_use)
+    resident: set[int] = set()
+    hits = 0
+    for x in trace:
+        plan.observe(x, time.monotonic())  # the reader moves past x
+        if x in resident:
+            hits += 1
+            policy.accessed(x, True)
+            continue
+        policy.accessed(x, False)
+        victims = policy.admit(x, 1, cap - len(resident))
+        if victims is None:
+            continue
+        for v in victims:
+            resident.discard(v)
+            policy.removed(v)
+        resident.add(x)
+        policy.inserted(x, 1)
+        assert len(resident) <= cap
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_matches_exhaustive_min_on_random_orders(seed: int) -> None:
+    rng = random.Random(seed)
+    keys = rng.randint(3, 6)
+    trace = [rng.randrange(keys) for _ in range(rng.randint(8, 16))]
+    cap = rng.randint(1, 3)
+    assert belady_hits(trace, cap) == brute_force_min(trace, cap), (trace, cap)
+
+
+def test_belady_never_evicts_what_is_needed_sooner() -> None:
+    order = [1, 2, 3, 9, 1, 2, 3]
+    plan = Plan("t", np.array(order, dtype=np.uint64), [b""] * 7, np.ones(7))
+    plan.cursor = 4  # the reader has just read 9; 1, 2, 3 are needed right after
+    policy = BeladyPolicy(lambda k: plan.cursor + plan.next_use(k))
+    for k in (1, 2, 3):
+        policy.inserted(k, 1)
+    assert policy.admit(9, 1, 0) is None  # 9 is never read again: not worth any of them
+    assert policy.admit(42, 1, 0) is None  # unknown to the plan: infinitely far
+    policy.inserted(7, 1)  # resident and never needed again
+    assert policy.admit(9, 1, 0) is None  # ...but neither is 9: no swap for nothing
+    assert policy.shrink(1) == [7]  # when room is needed, 7 goes first
+
+
+# --- the prefetcher's scheduling ----------------------------------------------------------
+
+
+class _FakeCache:
+    def tier_of(self, key: int) -> int:
+        return 0
+
+
+def _plan(name: str, keys: list[int], size: int = 100) -> Plan:
+    return Plan(name, np.array(keys, dtype=np.uint64), [b"p%d" % k for k in keys],
+                np.full(len(keys), size))  # fmt: skip
+
+
+def test_the_reader_with_least_buffered_ahead_goes_first() -> None:
+    pf = Prefetcher(_FakeCache(), window=10_000)  # type: ignore[arg-type]
+    a, b = _plan("a", list(range(0, 50))), _plan("b", list(range(100, 150)))
+    pf.add_plan(a)
+    pf.add_plan(b)
+    a.frontier = 20  # a already has 20 entries fetched ahead of its reader, b none
+    plan, pos = pf._next_item()  # type: ignore[misc]
+    assert plan is b and pos == 0
+
+
+def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
+    pf = Prefetcher(_FakeCache(), window=250)  # type: ignore[arg-type]
+    pf.add_plan(_plan("a", [1, 2, 3, 4], size=100))
+    first = pf._next_item()
+    pf._inflight[1] = 100
+    pf._inflight_bytes = 100
+    second = pf._next_item()
+    pf._inflight[2] = 100
+    pf._inflight_bytes = 200
+    assert first and second and pf._next_item() is None  # 300 would exceed the window
+    big = Prefetcher(_FakeCache(), window=50)  # type: ignore[arg-type]
+    big.add_plan(_plan("b", [1, 2], size=100))
+    assert big._next_item() is None and big.skipped == 2
+
+
+def test_concurrency_follows_littles_law() -> None:
+    pf = Prefetcher(_FakeCache(), window=10_000, max_workers=16)  # type: ignore[arg-type]
+    p = _plan("a", list(range(100)))
+    pf.add_plan(p)
+    p.rate, pf.latency = 200.0, 0.005  # 200 reads/s, 5 ms per fetch: ~1 in flight
+    assert pf.target_workers() == 2
+    pf.latency = 0.05  # a slower source needs more in flight
+    assert pf.target_workers() == 11
+    pf.latency = 1.0  # but never more than max_workers
+    assert pf.target_workers() == 16
+
+
+# --- real mounts over a slow source ---------------------------------------------------------
+
+
+def _slowfs(real: Path, mnt: Path, *args: str) -> None:
+    mnt.mkdir()
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "slowfs.py"), str(real), str(mnt), "--daemon", *args],
+        check=True,
+        timeout=60,
+    )
+
+
+def _slow_stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.slowfs.stats"))
+
+
+@pytest.fixture
+def slow_source(tmp_path: Path):
+    require_fuse()
+    real = tmp_path / "real"
+    for i in range(60):
+        p = real / f"c{i % 3}" / f"s{i:03d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(os.urandom(20_000 + i))
+    remote = tmp_path / "remote"
+    _slowfs(real, remote, "--open-latency", "20", "--bandwidth", "0")
+    try:
+        yield real, remote
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
+
+
+def _write_plan(mnt: Path, rels: list[str]) -> None:
+    with open(mnt / ".shadefs" / "plan", "w") as f:
+        f.write("".join(r + "\n" for r in rels))
+
+
+@pytest.mark.mount
+def test_a_jobs_own_order_is_prefetched_before_it_reads(slow_source, mounter) -> None:
+    real, remote = slow_source
+    m = mounter(remote, "--ram", "256K")  # far smaller than the data: hits cannot explain it
+    rels = sorted(str(p.relative_to(real)) for p in real.rglob("*.bin"))
+    opens_before = _slow_stats(remote)["opens"]
+    _write_plan(m.mnt, rels[:30])
+    deadline = time.monotonic() + 20
+    while m.stats()["prefetch"]["fetched"] < 30:
+        assert time.monotonic() < deadline, m.stats()["prefetch"]
+        time.sleep(0.05)
+    # The source saw the reads before the reader asked for anything.
+    assert _slow_stats(remote)["opens"] - opens_before >= 30
+    before = m.stats()
+    for rel in rels[:30]:
+        assert (m.mnt / rel).read_bytes() == (real / rel).read_bytes()
+    after = m.stats()
+    assert after["prefetch"]["served"] - before["prefetch"]["served"] >= 25
+    assert after["bytes_from_source"] == before["bytes_from_source"]  # nothing fetched on demand
+    assert after["blocked_seconds"] - before["blocked_seconds"] < 0.2
+
+
+@pytest.mark.mount
+def test_an_abandoned_order_stops_being_prefetched(slow_source, mounter) -> None:
+    real, remote = slow_source
+    m = mounter(remote, "--ram", "256K", "--prefetch-window", "60K", "-o", "prefetch_abandon=1")
+    rels = sorted(str(p.relative_to(real)) for p in real.rglob("*.bin"))
+    _write_plan(m.mnt, rels)
+    for rel in rels[:3]:
+        (m.mnt / rel).read_bytes()
+    time.sleep(2.5)  # the reader stopped mid-epoch
+    s = m.stats()["prefetch"]
+    assert s["plans"] == 0 and s["plans_abandoned"] == 1 and s["staged"] == 0
+    opens = _slow_stats(remote)["opens"]
+    time.sleep(1.0)
+    assert _slow_stats(remote)["opens"] == opens  # the source sees nothing more
+    # The window kept it from fetching the whole list ahead of a reader that never came.
+    assert m.stats()["prefetch"]["fetched"] < len(rels)
+
+
+@pytest.mark.mount
+def test_unmount_stops_the_prefetcher_cleanly(tmp_path: Path, mounter) -> None:
+    require_fuse()
+    real = tmp_path / "real"
+    real.mkdir()
+    for i in range(200):
+        (real / f"f{i:03d}").write_bytes(b"x" * 1000)
+    remote = tmp_path / "remote"
+    _slowfs(real, remote, "--open-latency", "200")  # every fetch takes a while
+    try:
+        m = mounter(remote, "--ram", "1M")
+        _write_plan(m.mnt, [f"f{i:03d}" for i in range(200)])
+        time.sleep(0.5)
+        assert m.stats()["prefetch"]["inflight"] > 0
+        t0 = time.monotonic()
+        res = subprocess.run(shadefs_cmd("umount", str(m.mnt)), capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        assert time.monotonic() - t0 < 10
+        log = m.log.read_text()
+        assert "Traceback" not in log and "unmounted" in log
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
