@@ -81,12 +81,7 @@ def control_dir(mountpoint: str) -> Path:
     except FileNotFoundError:
         raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS) from None
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise QuietError(
-                f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
-                EXIT_NOT_SHADEFS,
-            ) from None
-        raise QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
+        raise _mount_error(mountpoint, exc) from None
     if not stat.S_ISDIR(st.st_mode):
         raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS)
     return ctl
@@ -98,14 +93,18 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
     try:
         stats = json.loads(path.read_bytes())
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise QuietError(
-                f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
-                EXIT_NOT_SHADEFS,
-            ) from None
-        raise QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
+        raise _mount_error(mountpoint, exc) from None
     except ValueError:
         raise QuietError(f"{mountpoint}: stats.json is not JSON", EXIT_NOT_SHADEFS) from None
     if not isinstance(stats, dict):
         raise QuietError(f"{mountpoint}: stats.json is not an object", EXIT_NOT_SHADEFS)
     return stats
+
+
+def _mount_error(mountpoint: str, exc: OSError) -> QuietError:
+    if exc.errno == errno.ENOTCONN:
+        return QuietError(
+            f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
+            EXIT_NOT_SHADEFS,
+        )
+    return QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS)

@@ -248,24 +248,10 @@ class ShadePolicy(Policy):
         if need <= 0:
             return []
         incoming = self.score(key)
-        victims = []
-        for s, victim in self._bottom(0):
-            if s >= incoming:
-                return None
-            victims.append(victim)
-            need -= self.sizes[victim]
-            if need <= 0:
-                return victims
-        return None
+        return _ranked_victims(self._bottom(0), self.sizes, need, lambda s: s >= incoming)
 
     def shrink(self, need: int) -> list[int]:
-        victims = []
-        for _, key in self._bottom(0):
-            if need <= 0:
-                break
-            victims.append(key)
-            need -= self.sizes[key]
-        return victims
+        return _ranked_victims(self._bottom(0), self.sizes, need) or []
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
@@ -340,24 +326,35 @@ class BeladyPolicy(Policy):
         if need <= 0:
             return []
         incoming = self.next_use(key)
-        victims = []
-        for t, victim in self._furthest():
-            if not t > incoming:
-                return None  # everything left is needed no later than the newcomer
-            victims.append(victim)
-            need -= self.sizes[victim]
-            if need <= 0:
-                return victims
-        return None
+        # Everything from the first entry needed no later than the newcomer on must stay.
+        return _ranked_victims(self._furthest(), self.sizes, need, lambda t: not t > incoming)
 
     def shrink(self, need: int) -> list[int]:
-        victims = []
-        for _, key in self._furthest():
-            if need <= 0:
-                break
-            victims.append(key)
-            need -= self.sizes[key]
-        return victims
+        return _ranked_victims(self._furthest(), self.sizes, need) or []
+
+
+def _ranked_victims(
+    ranked: Iterable[tuple[float, int]],
+    sizes: dict[int, int],
+    need: int,
+    must_stay: Callable[[float], bool] | None = None,
+) -> list[int] | None:
+    """Victims taken in eviction order until `need` bytes are freed.
+
+    With `must_stay`, reaching an entry it accepts means the newcomer is not worth the
+    room: None. Without it (shrinking), take what there is, even if it is not enough.
+    """
+    victims: list[int] = []
+    for rank, key in ranked:
+        if need <= 0:
+            break
+        if must_stay is not None and must_stay(rank):
+            return None
+        victims.append(key)
+        need -= sizes[key]
+    if need > 0 and must_stay is not None:
+        return None
+    return victims
 
 
 def _take(candidates: Iterable[int], sizes: dict[int, int], need: int) -> list[int] | None:
