@@ -29,7 +29,7 @@ from shadefs.metrics import Metrics
 from shadefs.policy import Policy
 from shadefs.source import Source
 from shadefs.ssd import Signature
-from shadefs.ssdtier import INLINE_READ, SsdTier
+from shadefs.ssdtier import SsdTier
 
 if TYPE_CHECKING:
     from shadefs.prefetch import Prefetcher
@@ -124,10 +124,7 @@ class Cache:
             self._remove(key)
         self.policy.accessed(key, False)
         if ssd is not None and st.st_size <= ssd.max_entry:
-            if st.st_size <= INLINE_READ:
-                data = ssd.lookup(key, path, sig)
-            else:
-                data = await ssd.lookup_large(key, path, sig)
+            data = await ssd.lookup(key, path, sig)
             if data is not None:
                 self.metrics.hits += 1
                 self._admit(key, data, sig)

@@ -44,6 +44,10 @@ class Policy(ABC):
     def removed(self, key: int) -> None:
         self.sizes.pop(key, None)
 
+    def restored(self, key: int, size: int) -> None:
+        """An entry found on disk (restart) rather than just read: not an access."""
+        self.inserted(key, size)
+
     @abstractmethod
     def accessed(self, key: int, hit: bool) -> None:
         """An open of `key` (one sample read); `hit` says whether it was resident."""
@@ -136,6 +140,12 @@ class EpochPolicy(Policy):
         super().inserted(key, size)
         # A miss was just read, so a new entry starts out consumed.
         self._place(key, self.epoch)
+
+    def restored(self, key: int, size: int) -> None:
+        # Found on disk after a restart: nothing says it was read this epoch, so it is
+        # protected until it is (and its first read must not look like a new epoch).
+        Policy.inserted(self, key, size)
+        self._place(key, self.epoch - 1)
 
     def removed(self, key: int) -> None:
         super().removed(key)

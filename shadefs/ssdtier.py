@@ -36,9 +36,6 @@ from shadefs.ssd import BLOCK, HSIZE, Signature, SsdStore
 
 log = logging.getLogger(__name__)
 
-# Entries up to this size are read synchronously in the trio thread on a hit (a local SSD
-# read of this size takes well under a millisecond); larger ones go through a thread.
-INLINE_READ = 1 << 20
 _RESTORE_CHUNK = 2048
 
 
@@ -86,6 +83,7 @@ class SsdTier:
         # concurrent writers cannot together overshoot the budget.
         self._reserved = 0
         self._wake_evictor = trio.Event()
+        self._limiter = trio.CapacityLimiter(16)
 
     @property
     def capacity(self) -> int:
@@ -104,14 +102,14 @@ class SsdTier:
 
     # --- the read path ------------------------------------------------------------------
 
-    def lookup(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
-        """The entry's bytes for a small file, read inline; None if it is not (validly) here."""
-        data = self.store.get(relpath, sig)
-        self._seen(key, relpath, sig, data)
-        return data
+    async def lookup(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
+        """The entry's bytes, or None if it is not (validly) here.
 
-    async def lookup_large(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
-        data = await trio.to_thread.run_sync(self.store.get, relpath, sig)
+        The read runs in a worker thread. Inline it would be cheaper when the entry sits in
+        the page cache, but a cold read of local disk then stalls every other request for
+        its whole duration; in threads, the reads of concurrent readers overlap.
+        """
+        data = await trio.to_thread.run_sync(self.store.get, relpath, sig, limiter=self._limiter)
         self._seen(key, relpath, sig, data)
         return data
 
@@ -125,13 +123,16 @@ class SsdTier:
         self.hits += 1
         if not known:
             # Found before the restore reached it: index it now.
-            self._index(key, relpath, sig.size)
+            self._index(key, relpath, sig.size, restored=True)
         self.policy.accessed(key, True)
 
-    def _index(self, key: int, relpath: bytes, size: int) -> None:
+    def _index(self, key: int, relpath: bytes, size: int, *, restored: bool = False) -> None:
         disk = self.disk_size(relpath, size)
         self.index[key] = (relpath, disk)
-        self.policy.inserted(key, disk)
+        if restored:
+            self.policy.restored(key, disk)
+        else:
+            self.policy.inserted(key, disk)
 
     def _forget(self, key: int) -> None:
         if self.index.pop(key, None) is not None:
@@ -222,7 +223,7 @@ class SsdTier:
             for relpath, size, sig in chunk:
                 key = self.key_of_ino(sig.ino)
                 if key not in self.index:
-                    self._index(key, relpath, size)
+                    self._index(key, relpath, size, restored=True)
                     self.restore_entries += 1
             if len(chunk) < _RESTORE_CHUNK:
                 break

@@ -105,3 +105,14 @@ def test_lru_order_and_refusal() -> None:
 def test_make_policy_rejects_unknown() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+def test_restored_entries_are_protected_and_do_not_start_epochs() -> None:
+    p = EpochPolicy()
+    for k in range(5):
+        p.restored(k, 10)
+    for k in range(5):
+        p.accessed(k, True)  # first reads after a restart: still epoch 0
+    assert p.epoch == 0
+    p.accessed(0, True)  # read again in the same pass: now a new epoch has begun
+    assert p.epoch == 1

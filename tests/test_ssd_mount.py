@@ -96,6 +96,20 @@ def test_flipped_bytes_in_the_cache_dir_never_reach_readers(tmp_path: Path, moun
     assert s["bytes_from_source"] > 0  # the damaged entries were refetched
 
 
+def test_default_ssd_budget_survives_remounts(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_source(src, 20, seed=7)
+    cache = tmp_path / "cache"
+    m = mounter(src, "--ssd", str(cache))
+    budget = m.stats()["ssd_capacity"]
+    read_all_and_compare(src, m.mnt)
+    wait_for_writes(m)
+    m.unmount()
+    # The cache now takes disk space; a recomputed default would come out smaller.
+    m2 = mounter(src, "--ssd", str(cache), name="mnt")
+    assert m2.stats()["ssd_capacity"] == budget > 0
+
+
 def test_second_daemon_on_one_cache_dir_is_refused(tmp_path: Path, mounter) -> None:
     src = tmp_path / "src"
     make_source(src, 3)
