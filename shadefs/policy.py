@@ -239,29 +239,19 @@ class ShadePolicy(Policy):
     def accessed(self, key: int, hit: bool) -> None:
         pass  # reads say nothing about importance under an importance sampler
 
-    def _bottom(self, skip: int) -> Iterable[tuple[float, int]]:
+    def _bottom(self) -> Iterable[tuple[float, int]]:
         """Entries from the least important up, each re-ranked to its current score first."""
-        i = skip
-        while i < len(self._ranked):
-            s, key = self._ranked[i]
-            now = self.score(key)
-            if now != s:
-                self._ranked.remove((s, key))
-                self._ranked.add((now, key))
-                self._rank_of[key] = now
-                continue  # position i now holds another entry: look again
-            yield s, key
-            i += 1
+        return _lazy_walk(self._ranked, self._rank_of, self.score, descending=False)
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
         need = size - free
         if need <= 0:
             return []
         incoming = self.score(key)
-        return _ranked_victims(self._bottom(0), self.sizes, need, lambda s: s >= incoming)
+        return _ranked_victims(self._bottom(), self.sizes, need, lambda s: s >= incoming)
 
     def shrink(self, need: int) -> list[int]:
-        return _ranked_victims(self._bottom(0), self.sizes, need) or []
+        return _ranked_victims(self._bottom(), self.sizes, need) or []
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
@@ -319,17 +309,7 @@ class BeladyPolicy(Policy):
 
     def _furthest(self) -> Iterable[tuple[float, int]]:
         """Entries from the furthest next use down, each re-checked before it is offered."""
-        i = len(self._ranked) - 1
-        while i >= 0:
-            t, key = self._ranked[i]
-            now = self.next_use(key)
-            if not (math.isinf(now) and math.isinf(t)) and not abs(now - t) <= 1e-3:
-                self._rank(key)
-                i = min(i, len(self._ranked) - 1)
-                if self._ranked[i] != (now, key):
-                    continue  # it moved: look at whatever is at this position now
-            yield now, key
-            i -= 1
+        return _lazy_walk(self._ranked, self._rank_of, self.next_use, descending=True)
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
         need = size - free
@@ -341,6 +321,43 @@ class BeladyPolicy(Policy):
 
     def shrink(self, need: int) -> list[int]:
         return _ranked_victims(self._furthest(), self.sizes, need) or []
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isinf(a) and math.isinf(b) and (a > 0) == (b > 0)) or abs(a - b) <= 1e-3
+
+
+def _lazy_walk(
+    ranked: SortedList,
+    rank_of: dict[int, float],
+    current: Callable[[int], float],
+    *,
+    descending: bool,
+) -> Iterable[tuple[float, int]]:
+    """Walk (rank, key) entries in order, re-ranking stale ones before offering them.
+
+    An entry sits in `ranked` under the rank it had when last ranked. Before it is offered,
+    its current rank is checked; a stale one is moved to where it belongs and the walk
+    starts again from the end it began at, so an entry that moved behind the walk's
+    position is still seen. Every entry is offered at most once.
+    """
+    offered: set[int] = set()
+    while True:
+        positions = range(len(ranked) - 1, -1, -1) if descending else range(len(ranked))
+        for i in positions:
+            rank, key = ranked[i]
+            if key in offered:
+                continue
+            now = current(key)
+            if not _same(now, rank):
+                ranked.remove((rank, key))
+                ranked.add((now, key))
+                rank_of[key] = now
+                break  # the list moved under us: start again
+            offered.add(key)
+            yield rank, key
+        else:
+            return
 
 
 def _ranked_victims(

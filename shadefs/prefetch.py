@@ -95,26 +95,35 @@ class Plan:
     def observe(self, key: int, now: float) -> bool:
         """Note a read of `key`; advance the cursor if this plan expects it there.
 
-        The expected read is the key's first occurrence at or after the cursor (within
-        _MATCH_AHEAD). A read of an occurrence shortly behind the cursor (another DataLoader
-        worker finishing an earlier batch) is progress too, but does not move the cursor.
+        DataLoader workers read whole batches in parallel, so reads land a little ahead of
+        and behind the cursor. A key that occurs several times (a replayed sample) is taken
+        as its occurrence nearest to the cursor: an earlier one is a late read, which does
+        not move the cursor. Otherwise a late read of an early copy would jump the cursor to
+        the next copy, far ahead, and the plan would look read through when it had barely
+        started.
         """
         occ = self._occurrences(key)
         if not len(occ):
             return False
         i = int(np.searchsorted(occ, self.cursor))
-        if i < len(occ) and occ[i] - self.cursor <= _MATCH_AHEAD:
-            pos = int(occ[i])
-            dt = now - self.last_progress
-            if dt > 0:
-                inst = (pos + 1 - self.cursor) / dt
-                self.rate = (1 - _EWMA) * self.rate + _EWMA * inst if self.reads else inst
-            self.cursor = pos + 1
-        elif not (i > 0 and self.cursor - occ[i - 1] <= _MATCH_BEHIND):
-            return False
+        ahead = int(occ[i]) - self.cursor if i < len(occ) else None
+        behind = self.cursor - int(occ[i - 1]) if i > 0 else None
+        late = behind is not None and behind <= _MATCH_BEHIND
+        due = ahead is not None and ahead <= _MATCH_AHEAD
+        if due and not (late and behind < ahead):  # type: ignore[operator]
+            self._advance(int(occ[i]), now)
+        elif not late:
+            return False  # a read of this file is not what this plan's reader does now
         self.last_progress = now
         self.reads += 1
         return True
+
+    def _advance(self, pos: int, now: float) -> None:
+        dt = now - self.last_progress
+        if dt > 0:
+            inst = (pos + 1 - self.cursor) / dt
+            self.rate = (1 - _EWMA) * self.rate + _EWMA * inst if self.reads else inst
+        self.cursor = pos + 1
 
     def next_use(self, key: int) -> float:
         """Reads until `key` is needed again by this plan's reader (inf if never)."""

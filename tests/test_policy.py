@@ -116,3 +116,26 @@ def test_restored_entries_are_protected_and_do_not_start_epochs() -> None:
     assert p.epoch == 0
     p.accessed(0, True)  # read again in the same pass: now a new epoch has begun
     assert p.epoch == 1
+
+
+def test_ranked_walks_never_offer_an_entry_twice() -> None:
+    """A score that drops below entries already offered must not shift one of them back
+    under the walk (that returned [0, 1, 1] and crashed the cache with a KeyError)."""
+    from shadefs.policy import BeladyPolicy, ShadePolicy
+
+    scores = {k: float(k) for k in range(6)}
+    shade = ShadePolicy(lambda k: scores[k])
+    for k in range(5):
+        shade.inserted(k, 1)
+    scores[2], scores[9] = -1.0, 10.0
+    victims = shade.admit(9, 3, 0)
+    assert victims is not None and len(set(victims)) == 3 and 2 in victims
+    assert sorted(shade.shrink(5)) == [0, 1, 2, 3, 4]
+
+    uses = {k: float(k) for k in range(6)}
+    belady = BeladyPolicy(lambda k: uses[k])
+    for k in range(5):
+        belady.inserted(k, 1)
+    uses[2], uses[9] = 99.0, -1.0  # 2 is now needed last of all
+    victims = belady.admit(9, 3, 0)
+    assert victims is not None and len(set(victims)) == 3 and victims[0] in (4, 2) and 2 in victims

@@ -245,3 +245,21 @@ def test_unmount_stops_the_prefetcher_cleanly(tmp_path: Path, mounter) -> None:
         assert "Traceback" not in log and "unmounted" in log
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
+
+
+def test_a_late_read_of_a_replayed_sample_does_not_jump_the_cursor() -> None:
+    # Sample 7 is replayed: at positions 10 and 900. Workers read around position 100 when
+    # a slow worker finally reads its copy at 10.
+    order = list(range(1000, 2000))
+    order[10] = order[900] = 7
+    plan = Plan("r", np.array(order, dtype=np.uint64), [b""] * 1000, np.ones(1000))
+    for pos in range(0, 100):
+        if pos != 10:
+            plan.observe(order[pos], time.monotonic())
+    assert plan.cursor == 100
+    plan.observe(7, time.monotonic())  # the late copy at 10, not the one at 900
+    assert plan.cursor == 100
+    for pos in range(100, 900):
+        plan.observe(order[pos], time.monotonic())
+    plan.observe(7, time.monotonic())  # now it is the copy at 900
+    assert plan.cursor == 901
