@@ -243,7 +243,7 @@ async def _serve(
             nursery.start_soon(ssd.evictor)
             for _ in range(4):
                 nursery.start_soon(ssd.writer)
-        await pyfuse3.main(**_main_args())
+        await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
 
@@ -288,11 +288,3 @@ async def _announce_ready(opts: MountOptions, mnt: str, ready_fd: int | None) ->
 
         sdnotify.ready(f"serving {opts.source} on {mnt}")
     _report(ready_fd, "ready")
-
-
-def _main_args() -> dict[str, int]:
-    env = os.environ.get("SHADEFS_TASKS", "")
-    if not env:
-        return {}
-    lo, hi = env.split(",")
-    return {"min_tasks": int(lo), "max_tasks": int(hi)}
