@@ -291,6 +291,29 @@ class SsdStore:
         finally:
             os.close(fd)
 
+    def in_page_cache(self, relpath: bytes) -> bool | None:
+        """Whether the whole entry is in the page cache (None: no such entry).
+
+        One read with RWF_NOWAIT, which the kernel refuses (or cuts short) instead of
+        waiting for the disk. It lets a caller serve a warm entry inline and send a cold
+        one to a thread. Where RWF_NOWAIT is unsupported, everything counts as cold.
+        """
+        _, _, path = self._key(relpath)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(max(size, 1))
+            return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) == size
+        except (OSError, AttributeError):  # EAGAIN, EOPNOTSUPP, no RWF_NOWAIT at all
+            return False
+        finally:
+            os.close(fd)
+
     def _read_entry(
         self, fd: int, relpath: bytes, sig: Signature
     ) -> tuple[bytes | None, bool, int]:

@@ -105,11 +105,20 @@ class SsdTier:
     async def lookup(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
         """The entry's bytes, or None if it is not (validly) here.
 
-        The read runs in a worker thread. Inline it would be cheaper when the entry sits in
-        the page cache, but a cold read of local disk then stalls every other request for
-        its whole duration; in threads, the reads of concurrent readers overlap.
+        An entry that is already in the page cache is read inline: a thread hop would cost
+        more than the copy. A cold one is read in a worker thread, because inline it would
+        stall every other request for the duration of a disk read, and in threads the reads
+        of concurrent readers overlap.
         """
-        data = await trio.to_thread.run_sync(self.store.get, relpath, sig, limiter=self._limiter)
+        warm = self.store.in_page_cache(relpath)
+        if warm is None:
+            data = None
+        elif warm:
+            data = self.store.get(relpath, sig)
+        else:
+            data = await trio.to_thread.run_sync(
+                self.store.get, relpath, sig, limiter=self._limiter
+            )
         self._seen(key, relpath, sig, data)
         return data
 
