@@ -94,7 +94,7 @@ _BY_INO = {s.ino: s for s in _FILES}
 
 
 class _Handle:
-    __slots__ = ("spec", "data", "pending", "poisoned", "plan", "name")
+    __slots__ = ("spec", "data", "pending", "poisoned", "plan", "name", "written", "base")
 
     def __init__(self, spec: _Spec, data: bytes | bytearray, name: str = "") -> None:
         self.spec = spec
@@ -103,6 +103,8 @@ class _Handle:
         self.poisoned = False
         self.plan: list[tuple[np.ndarray, list[bytes], np.ndarray]] = []
         self.name = name  # a plan's name: who wrote it
+        self.written = 0  # bytes written so far (the file offset after the request)
+        self.base: int | None = None  # where the response starts in the reader's offsets
 
 
 class Control:
@@ -216,10 +218,17 @@ class Control:
         return bytearray()
 
     def read(self, fh: int, off: int, size: int) -> bytes:
-        return bytes(self._handles[fh].data[off : off + size])
+        handle = self._handles[fh]
+        if handle.base is None:
+            # A transaction file answers from the start of its response whether the client
+            # seeks back to 0 after writing its request or reads straight on from there.
+            handle.base = handle.written if handle.written and off >= handle.written else 0
+        start = off - handle.base
+        return bytes(handle.data[start : start + size]) if start >= 0 else b""
 
     async def write(self, fh: int, buf: bytes) -> int:
         handle = self._handles[fh]
+        handle.written += len(buf)
         if handle.poisoned:
             # Keep the first error in last_result: that is the one the client must see.
             raise pyfuse3.FUSEError(errno.EINVAL)

@@ -84,6 +84,19 @@ async def test_register_losses_and_order(tmp_path: Path) -> None:
     assert stats["sampler"]["samples"] == 40
 
 
+async def test_order_reads_straight_on_after_the_request(tmp_path: Path) -> None:
+    src, paths = dataset_tree(tmp_path)
+    ops, _ = make_fs(src)
+    await send(ops, b"dataset", wire.encode_dataset(paths))
+    request = wire.encode_order_request(0, 0, 1, 0)
+    fi = await ops.open(await ctl_ino(ops, b"order"), os.O_RDWR, CTX)
+    await ops.write(fi.fh, 0, request)
+    # No seek: the file offset is past the request, and the response still starts there.
+    resp = await ops.read(fi.fh, len(request), 1 << 20)
+    assert wire.decode_order_response(resp, 40)[0] == 0
+    await ops.release(fi.fh)
+
+
 async def test_order_is_fixed_once_built_for_an_epoch(tmp_path: Path) -> None:
     src, paths = dataset_tree(tmp_path)
     ops, parts = make_fs(src)
