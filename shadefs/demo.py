@@ -1,0 +1,418 @@
+"""``shadefs demo``: mount a real dataset, train on it, and show what the cache does.
+
+This module owns the demo: it builds scikit-learn's digits as an ImageFolder in a work
+directory, puts it behind ``tools/slowfs.py`` (an emulated slow remote) when that tool is
+in the repository checkout, mounts shadefs over it with RAM for 20% of the training bytes,
+and trains the same small CNN twice: uniform sampling over the default ``epoch`` policy,
+then ``ShadeSampler`` over the ``shade`` policy.  It prints the hit ratio, accuracy and time
+of every epoch, a summary table, and writes a PNG plot (drawn with PIL, so matplotlib is
+not needed).
+
+Every mount it makes is unmounted on the way out, also on Ctrl-C, SIGTERM or SIGHUP:
+``shadefs umount`` first, ``fusermount3 -u -z`` if that fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shadefs.digits import EpochRecord
+
+log = logging.getLogger(__name__)
+
+RAM_FRACTION = 0.2
+REPLAY = 3
+#: What the emulated remote charges (tools/slowfs.py options); said wherever a time is shown.
+#: No metadata latency: with slowfs's zero entry timeouts every path component would pay it
+#: again on every open (about 10 ms a file at 0.5 ms), where a real NFS client caches them.
+SLOWFS_ARGS = ("--open-latency", "3", "--meta-latency", "0", "--bandwidth", "100")
+PLOT_NAME = "shadefs-demo.png"
+
+RUNS = (
+    ("uniform", "epoch", "uniform sampling, epoch policy"),
+    ("shade", "shade", f"ShadeSampler (replay {REPLAY}), shade policy"),
+)
+
+
+@dataclass
+class _Mounts:
+    """Every mount point the demo made (or was making), innermost last."""
+
+    points: list[tuple[Path, str]] = field(default_factory=list)
+
+    def add(self, path: Path, kind: str) -> None:
+        # Recorded before the mount command runs: an interrupt while it runs must still
+        # leave a record for the clean-up to check.
+        self.points.append((path, kind))
+
+    def release(self, path: Path) -> None:
+        for i, (p, kind) in enumerate(self.points):
+            if p == path:
+                _unmount(p, kind)
+                del self.points[i]
+                return
+
+    def release_all(self) -> list[str]:
+        problems = []
+        while self.points:
+            path, kind = self.points.pop()
+            if not _unmount(path, kind):
+                problems.append(str(path))
+        return problems
+
+
+def mounted_under(root: str | os.PathLike[str]) -> list[str]:
+    """Mount points at or below ``root`` (from /proc/self/mounts; dead FUSE mounts too)."""
+    base = os.path.realpath(root)
+    found = []
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 2:
+            continue
+        # /proc/mounts escapes space, tab, newline and backslash as octal.
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        if point == base or point.startswith(base + os.sep):
+            found.append(point)
+    return found
+
+
+def _is_mounted(path: Path) -> bool:
+    return os.path.realpath(path) in mounted_under(path)
+
+
+def _unmount(path: Path, kind: str) -> bool:
+    """Unmount ``path`` if it is mounted; True when it is gone."""
+    if not _is_mounted(path):
+        return True
+    if kind == "shadefs":
+        cmd = [sys.executable, "-m", "shadefs", "umount", str(path)]
+    else:
+        cmd = ["fusermount3", "-u", str(path)]
+    try:
+        subprocess.run(cmd, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if _is_mounted(path):
+        # A daemon that does not answer: detach lazily so the demo never leaves it behind.
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+    gone = not _is_mounted(path)
+    if not gone:
+        print(f"shadefs demo: could not unmount {path}", file=sys.stderr)
+    return gone
+
+
+class Interrupted(BaseException):
+    """Raised by the demo's signal handlers; unwinds the demo like Ctrl-C would.
+
+    Not KeyboardInterrupt: CPython can remember a KeyboardInterrupt that crossed certain
+    frames and then exit by killing itself with SIGINT although the demo handled it
+    (seen as exit status -2 instead of 130 in about one run in three).
+    """
+
+
+@contextlib.contextmanager
+def _signals_raise(received: list[str]) -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into ``Interrupted`` while the demo runs.
+
+    The signal's name is also appended to ``received``: an exception raised inside an
+    import or a descriptor's ``__set_name__`` reaches the caller wrapped in another type
+    (torch imports lazily during the first training steps), and the demo must still
+    report an interruption, not an error.
+    """
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum).name)
+        raise Interrupted(received[-1])
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """A second Ctrl-C must not abort the clean-up half-way."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _slowfs_script() -> Path | None:
+    """tools/slowfs.py of the repository checkout this package runs from, if usable."""
+    script = Path(__file__).resolve().parent.parent / "tools" / "slowfs.py"
+    if script.is_file() and importlib.util.find_spec("pyfuse3") is not None:
+        return script
+    return None
+
+
+def _mount_shadefs(mounts: _Mounts, source: Path, mnt: Path, log_dir: Path, *args: str) -> None:
+    mnt.mkdir(parents=True, exist_ok=True)
+    mounts.add(mnt, "shadefs")
+    log_file = log_dir / f"{mnt.name}.log"
+    cmd = [sys.executable, "-m", "shadefs", "mount", str(source), str(mnt), "--log", str(log_file)]
+    res = subprocess.run([*cmd, *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"shadefs mount failed: {res.stderr.strip()} (log: {log_file})")
+
+
+def _mount_slowfs(mounts: _Mounts, script: Path, source: Path, mnt: Path, log_dir: Path) -> None:
+    mnt.mkdir(parents=True, exist_ok=True)
+    mounts.add(mnt, "slowfs")
+    log_file = log_dir / "slowfs.log"
+    cmd = [sys.executable, str(script), str(source), str(mnt), "--daemon", *SLOWFS_ARGS]
+    res = subprocess.run([*cmd, "--log", str(log_file)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"slowfs failed: {res.stderr.strip()} (log: {log_file})")
+
+
+def _split_dataset(root: Path) -> tuple[str, str | None]:
+    """(train dir relative to root, test dir or None) of a user's ImageFolder tree."""
+    if (root / "train").is_dir():
+        return "train", ("test" if (root / "test").is_dir() else None)
+    return ".", None
+
+
+def _print_epoch(name: str, rec: EpochRecord) -> None:
+    acc = "   n/a" if math.isnan(rec.test_accuracy) else f"{rec.test_accuracy:6.3f}"
+    print(
+        f"  {name:8s} epoch {rec.epoch + 1:2d}: hit ratio {rec.hit_ratio or 0.0:5.3f}  "
+        f"accuracy {acc}  time {rec.epoch_time:5.1f} s  misses {rec.misses:5d}",
+        flush=True,
+    )
+
+
+def _epoch_table(results: dict[str, list[EpochRecord]]) -> list[str]:
+    """One row per epoch, the runs side by side."""
+    keys = [key for key, _, _ in RUNS if results.get(key)]
+    head = "epoch " + "".join(f"| {key + ': hit ratio  accuracy  time (s)':42s}" for key in keys)
+    lines = [head, "-" * len(head)]
+    for e in range(max(len(results[k]) for k in keys)):
+        row = f"{e + 1:5d} "
+        for key in keys:
+            recs = results[key]
+            if e >= len(recs):
+                row += "| " + " " * 42
+                continue
+            r = recs[e]
+            acc = "n/a" if math.isnan(r.test_accuracy) else f"{r.test_accuracy:.3f}"
+            cell = f"{' ' * len(key)}  {r.hit_ratio or 0.0:9.3f}  {acc:>8s}  {r.epoch_time:8.1f}"
+            row += f"| {cell:42s}"
+        lines.append(row)
+    return lines
+
+
+def _summary(results: dict[str, list[EpochRecord]]) -> list[str]:
+    from shadefs.digits import hit_ratio
+
+    lines = [
+        f"{'run':48s} {'hit ratio':>9s} {'hit ratio':>9s} {'final':>8s} {'s/epoch':>8s}",
+        f"{'':48s} {'all':>9s} {'epochs 2+':>9s} {'accuracy':>8s} {'':>8s}",
+    ]
+    for key, _policy, label in RUNS:
+        recs = results.get(key)
+        if not recs:
+            continue
+        acc = recs[-1].test_accuracy
+        acc_s = "n/a" if math.isnan(acc) else f"{acc:.3f}"
+        mean_t = sum(r.epoch_time for r in recs) / len(recs)
+        later = f"{hit_ratio(recs, 1):.3f}" if len(recs) > 1 else "n/a"
+        lines.append(f"{label:48s} {hit_ratio(recs, 0):9.3f} {later:>9s} {acc_s:>8s} {mean_t:8.1f}")
+    return lines
+
+
+def write_plot(results: dict[str, list[EpochRecord]], path: Path, title: str) -> None:
+    """Hit ratio and test accuracy per epoch, one line per run, drawn with PIL."""
+    from PIL import Image, ImageDraw
+
+    width, height, margin = 960, 450, 50
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((margin, 10), title, fill="black")
+    colours = {"uniform": (200, 60, 40), "shade": (30, 100, 200)}
+    panels = (("hit ratio", lambda r: r.hit_ratio or 0.0), ("test accuracy", None))
+    panel_w = (width - 3 * margin) // 2
+    epochs = max((len(r) for r in results.values()), default=1)
+    for p, (name, _) in enumerate(panels):
+        x0 = margin + p * (panel_w + margin)
+        y0, y1 = 40, height - margin - 30
+        draw.rectangle((x0, y0, x0 + panel_w, y1), outline="black")
+        draw.text((x0 + 5, y0 + 5), name, fill="black")
+        for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+            y = y1 - frac * (y1 - y0)
+            draw.line((x0 - 4, y, x0, y), fill="black")
+            draw.text((x0 - 34, y - 6), f"{frac:.2f}", fill="black")
+        for e in range(epochs):
+            x = x0 + (e + 0.5) * panel_w / epochs
+            draw.text((x - 3, y1 + 6), str(e + 1), fill="black")
+        draw.text((x0 + panel_w // 2 - 15, y1 + 22), "epoch", fill="black")
+        for key, recs in results.items():
+            values = [
+                (r.hit_ratio or 0.0) if p == 0 else r.test_accuracy
+                for r in recs
+                if p == 0 or not math.isnan(r.test_accuracy)
+            ]
+            points = [
+                (x0 + (e + 0.5) * panel_w / epochs, y1 - v * (y1 - y0))
+                for e, v in enumerate(values)
+            ]
+            colour = colours.get(key, (0, 0, 0))
+            if len(points) > 1:
+                draw.line(points, fill=colour, width=3)
+            for x, y in points:
+                draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
+    for i, (key, _policy, label) in enumerate(RUNS):
+        y = height - 14
+        x = margin + i * (width // 2)
+        draw.rectangle((x, y - 4, x + 16, y + 4), fill=colours[key])
+        draw.text((x + 22, y - 6), label, fill="black")
+    img.save(path)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Entry point of ``shadefs demo``; returns the exit code (130 when interrupted)."""
+    missing = [m for m in ("torch", "torchvision", "PIL") if importlib.util.find_spec(m) is None]
+    dataset = getattr(args, "dataset", None)
+    if dataset is None and importlib.util.find_spec("sklearn") is None:
+        missing.append("scikit-learn")
+    if missing:
+        print(
+            f"shadefs demo needs {', '.join(missing)}: pip install 'shadefs[torch]' scikit-learn",
+            file=sys.stderr,
+        )
+        return 1
+    epochs = int(getattr(args, "epochs", 5) or 5)
+    if epochs < 1:
+        print("shadefs demo: --epochs must be at least 1", file=sys.stderr)
+        return 2
+    own_workdir = getattr(args, "workdir", None) is None
+    workdir = Path(tempfile.mkdtemp(prefix="shadefs-demo-") if own_workdir else args.workdir)
+    workdir = workdir.resolve()
+    plot = (Path.cwd() if own_workdir else workdir) / PLOT_NAME
+    mounts = _Mounts()
+    started = time.monotonic()
+    received: list[str] = []
+    try:
+        with _signals_raise(received):
+            _run(args, dataset, epochs, workdir, mounts, plot)
+        print(f"demo finished in {time.monotonic() - started:.0f} s")
+        return 0
+    except BaseException as exc:
+        # After a signal, whatever came out of the unwinding is the interruption.
+        if received or isinstance(exc, KeyboardInterrupt):
+            print("\nshadefs demo: interrupted; unmounting", file=sys.stderr)
+            return 130
+        if isinstance(exc, (RuntimeError, OSError)):
+            print(f"shadefs demo: error: {exc}", file=sys.stderr)
+            return 1
+        raise  # a bug: its traceback shows, after the clean-up below
+    finally:
+        with _signals_ignored():
+            left = mounts.release_all()
+            if own_workdir and not left:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if left:
+            print(f"shadefs demo: still mounted: {', '.join(left)}", file=sys.stderr)
+
+
+def _run(
+    args: argparse.Namespace,
+    dataset: str | None,
+    epochs: int,
+    workdir: Path,
+    mounts: _Mounts,
+    plot: Path,
+) -> None:
+    import torch
+
+    from shadefs import digits
+
+    log_dir = workdir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if dataset is None:
+        print("building scikit-learn's digits as an ImageFolder ...", flush=True)
+        data = digits.build_digits(workdir / "digits")
+        train_rel, test_rel = "train", "test"
+    else:
+        data = Path(dataset).resolve()
+        train_rel, test_rel = _split_dataset(data)
+    train_bytes = digits.tree_bytes(data / train_rel)
+    ram = max(1, int(train_bytes * RAM_FRACTION))
+
+    script = _slowfs_script()
+    if script is not None:
+        source = workdir / "remote"
+        _mount_slowfs(mounts, script, data, source, log_dir)
+        what = "slowfs: " + " ".join(SLOWFS_ARGS)
+        print(f"source: {data} behind tools/slowfs.py ({what}: an emulated slow remote)")
+    else:
+        source = data
+        what = "plain directory"
+        print(f"source: {data} as a plain directory (tools/slowfs.py not in this checkout)")
+    print(
+        f"training data {train_bytes / 1e6:.1f} MB; shadefs RAM {ram / 1e6:.2f} MB "
+        f"({RAM_FRACTION:.0%}); {epochs} epochs per run",
+        flush=True,
+    )
+
+    # Leave a core to the daemon: on a small machine it and the model share the CPUs.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    results: dict[str, list[EpochRecord]] = {}
+    for key, policy, label in RUNS:
+        mnt = workdir / f"mnt-{key}"
+        _mount_shadefs(mounts, source, mnt, log_dir, "--ram", str(ram), "--policy", policy)
+        print(f"{label}:", flush=True)
+        results[key] = digits.train(
+            mnt / train_rel,
+            # Evaluation reads the dataset directly, so it does not touch the cache.
+            data / test_rel if test_rel else None,
+            sampler=key,
+            epochs=epochs,
+            replay=REPLAY if key == "shade" else None,
+            on_epoch=lambda rec, key=key: _print_epoch(key, rec),
+        )
+        mounts.release(mnt)
+
+    print()
+    for line in [*_epoch_table(results), "", *_summary(results)]:
+        print(line)
+    if epochs > 1 and all(results.values()):
+        u, s = (digits.hit_ratio(results[k], 1) for k in ("uniform", "shade"))
+        if u > 0:
+            print(f"hit ratio after the first epoch: ShadeSampler {s / u:.1f}x uniform")
+    try:
+        write_plot(results, plot, f"shadefs demo: digits, RAM {RAM_FRACTION:.0%}, source {what}")
+    except OSError as exc:
+        print(f"could not write the plot {plot}: {exc.strerror or exc}", file=sys.stderr)
+    else:
+        print(f"plot: {plot}")
