@@ -47,9 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How far behind its cursor a read may land and still count as progress in the plan
-# (DataLoader workers read whole batches in parallel, slightly out of order).
-_MATCH_BEHIND = 4096
+# The read rate is re-estimated every this many reads.
+_RATE_EVERY = 16
 # How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
 # taken for another job's read of the same file, and leaves the cursor alone).
 _MATCH_AHEAD = 4096
@@ -74,9 +73,11 @@ class Plan:
         order = np.argsort(self.keys, kind="stable")
         self._sorted = self.keys[order]
         self._positions = order.astype(np.int64)  # ascending within each key (stable sort)
+        self._consumed = np.zeros(len(self.keys), dtype=bool)
         now = time.monotonic()
         self.created = now
         self.last_progress = now
+        self._rate_since = now
         self.rate = _DEFAULT_RATE
         self.reads = 0
 
@@ -93,42 +94,46 @@ class Plan:
         return self._positions[lo:hi]
 
     def observe(self, key: int, now: float) -> bool:
-        """Note a read of `key`; advance the cursor if this plan expects it there.
+        """Note a read of `key`: it consumes the key's earliest unconsumed occurrence.
 
-        DataLoader workers read whole batches in parallel, so reads land a little ahead of
-        and behind the cursor. A key that occurs several times (a replayed sample) is taken
-        as its occurrence nearest to the cursor: an earlier one is a late read, which does
-        not move the cursor. Otherwise a late read of an early copy would jump the cursor to
-        the next copy, far ahead, and the plan would look read through when it had barely
-        started.
+        DataLoader workers read whole batches in parallel, so reads arrive out of order
+        around the reader's position, and a replayed sample occurs several times. Marking
+        occurrences consumed handles both exactly: the cursor is the first position not yet
+        read, however the reads interleave. A read that matches no unconsumed occurrence
+        within _MATCH_AHEAD of the cursor is not this plan's reader (another job, say).
         """
         occ = self._occurrences(key)
         if not len(occ):
             return False
         i = int(np.searchsorted(occ, self.cursor))
-        ahead = int(occ[i]) - self.cursor if i < len(occ) else None
-        behind = self.cursor - int(occ[i - 1]) if i > 0 else None
-        late = behind is not None and behind <= _MATCH_BEHIND
-        due = ahead is not None and ahead <= _MATCH_AHEAD
-        if due and not (late and behind < ahead):  # type: ignore[operator]
-            self._advance(int(occ[i]), now)
-        elif not late:
-            return False  # a read of this file is not what this plan's reader does now
-        self.last_progress = now
+        while i < len(occ) and self._consumed[occ[i]]:
+            i += 1
+        if i == len(occ) or occ[i] - self.cursor > _MATCH_AHEAD:
+            return False
+        self._consumed[occ[i]] = True
+        cursor = self.cursor
+        n = len(self.keys)
+        while cursor < n and self._consumed[cursor]:
+            cursor += 1
+        self.cursor = cursor
         self.reads += 1
+        if self.reads % _RATE_EVERY == 0:
+            dt = now - self._rate_since
+            if dt > 0:
+                inst = _RATE_EVERY / dt
+                self.rate = (
+                    inst if self.reads == _RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
+                )
+            self._rate_since = now
+        self.last_progress = now
         return True
-
-    def _advance(self, pos: int, now: float) -> None:
-        dt = now - self.last_progress
-        if dt > 0:
-            inst = (pos + 1 - self.cursor) / dt
-            self.rate = (1 - _EWMA) * self.rate + _EWMA * inst if self.reads else inst
-        self.cursor = pos + 1
 
     def next_use(self, key: int) -> float:
         """Reads until `key` is needed again by this plan's reader (inf if never)."""
         occ = self._occurrences(key)
         i = int(np.searchsorted(occ, self.cursor))
+        while i < len(occ) and self._consumed[occ[i]]:
+            i += 1
         return float(occ[i] - self.cursor) if i < len(occ) else math.inf
 
 

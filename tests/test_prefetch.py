@@ -248,18 +248,43 @@ def test_unmount_stops_the_prefetcher_cleanly(tmp_path: Path, mounter) -> None:
 
 
 def test_a_late_read_of_a_replayed_sample_does_not_jump_the_cursor() -> None:
-    # Sample 7 is replayed: at positions 10 and 900. Workers read around position 100 when
-    # a slow worker finally reads its copy at 10.
+    # Sample 7 is replayed: at positions 10 and 900. Workers have read everything up to 100
+    # but position 10, whose worker is slow.
     order = list(range(1000, 2000))
     order[10] = order[900] = 7
     plan = Plan("r", np.array(order, dtype=np.uint64), [b""] * 1000, np.ones(1000))
     for pos in range(0, 100):
         if pos != 10:
             plan.observe(order[pos], time.monotonic())
-    assert plan.cursor == 100
+    assert plan.cursor == 10  # the first position not read yet
     plan.observe(7, time.monotonic())  # the late copy at 10, not the one at 900
     assert plan.cursor == 100
+    assert plan.next_use(7) == 800  # its next use is the copy at 900
     for pos in range(100, 900):
         plan.observe(order[pos], time.monotonic())
     plan.observe(7, time.monotonic())  # now it is the copy at 900
     assert plan.cursor == 901
+
+
+def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() -> None:
+    from shadefs import pads
+
+    n = 2000
+    rng = np.random.default_rng(0)
+    resident = np.zeros(n, bool)
+    resident[rng.choice(n, 400, replace=False)] = True
+    params = pads.OrderParams(epoch=2, seed=0, world_size=1, rank=0, replay=3.0)
+    order = pads.build_global_order(rng.random(n), resident, params)
+    plan = Plan("x", order.astype(np.uint64), [b""] * n, np.ones(n))
+    # 4 DataLoader workers, batches of 64, their reads interleaved.
+    reads = []
+    batches = [order[i : i + 64] for i in range(0, n, 64)]
+    for g in range(0, len(batches), 4):
+        group = [list(b) for b in batches[g : g + 4]]
+        for j in range(64):
+            reads += [int(b[j]) for b in group if j < len(b)]
+    for i, key in enumerate(reads):
+        plan.observe(key, time.monotonic())
+        assert not plan.done or i == len(reads) - 1, f"done after {i + 1} of {n} reads"
+        assert i + 1 - plan.cursor <= 4 * 64  # never further behind than the batches in flight
+    assert plan.done
