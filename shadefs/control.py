@@ -311,14 +311,9 @@ class Control:
         """A job's own read order, one relative path per line; installed at close."""
         if self.prefetcher is None:
             raise CommandError("prefetching is off (mounted with --no-prefetch)")
-        handle.pending += buf
-        if b"\n" not in handle.pending:
-            if len(handle.pending) > _MAX_LINE:
-                raise CommandError("plan: line too long")
+        rels = _complete_lines(handle, buf, "plan")
+        if not rels:
             return
-        complete, _, rest = bytes(handle.pending).rpartition(b"\n")
-        handle.pending = bytearray(rest)
-        rels = [_relpath(p) for p in complete.split(b"\n")]
         keys, sizes = await self._resolve_files(rels)
         handle.plan.append((keys, rels, sizes))
 
@@ -330,14 +325,9 @@ class Control:
         self.prefetcher.add_plan(Plan(handle.name, keys, rels, sizes))
 
     async def _residency(self, handle: _Handle, buf: bytes) -> None:
-        handle.pending += buf
-        if b"\n" not in handle.pending:
-            if len(handle.pending) > _MAX_LINE:
-                raise CommandError("residency: line too long")
+        paths = _complete_lines(handle, buf, "residency")
+        if not paths:
             return
-        complete, _, rest = bytes(handle.pending).rpartition(b"\n")
-        handle.pending = bytearray(rest)
-        paths = [_relpath(p) for p in complete.split(b"\n")]
         stats = await self.ns.resolve(paths)
         out = handle.data
         assert isinstance(out, bytearray)
@@ -551,6 +541,19 @@ def _complete_messages(pending: bytearray) -> list[bytes]:
         out.append(bytes(pending[:length]))
         del pending[:length]
     return out
+
+
+def _complete_lines(handle: _Handle, buf: bytes, what: str) -> list[bytes]:
+    """The complete lines written so far, as checked relative paths; a partial last line
+    waits in the handle for the rest of it."""
+    handle.pending += buf
+    if b"\n" not in handle.pending:
+        if len(handle.pending) > _MAX_LINE:
+            raise CommandError(f"{what}: line too long")
+        return []
+    complete, _, rest = bytes(handle.pending).rpartition(b"\n")
+    handle.pending = bytearray(rest)
+    return [_relpath(p) for p in complete.split(b"\n")]
 
 
 def _relpath(raw: bytes) -> bytes:
