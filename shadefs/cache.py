@@ -48,14 +48,13 @@ class Entry:
 
 
 class _Flight:
-    __slots__ = ("done", "data", "sig", "error", "waiters", "ahead")
+    __slots__ = ("done", "data", "sig", "error", "ahead")
 
     def __init__(self, ahead: bool = False) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None
         self.sig: Signature | None = None
         self.error: BaseException | None = None
-        self.waiters = 0
         self.ahead = ahead  # started by the prefetcher, not by a reader
 
 
@@ -150,7 +149,6 @@ class Cache:
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
-            flight.waiters += 1
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error

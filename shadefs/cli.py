@@ -26,6 +26,7 @@ from shadefs.common import (
     parse_size,
     read_stats,
 )
+from shadefs.mount import MountOptions, check_environment, default_ram, spawn_background
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mount_options(args: argparse.Namespace) -> object:
-    from shadefs.mount import MountOptions, default_ram
+def _mount_options(args: argparse.Namespace) -> MountOptions:
 
     values: dict[str, object] = {}
     extra: list[str] = []
@@ -227,15 +227,13 @@ def _mount_options(args: argparse.Namespace) -> object:
 
 
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
-    from shadefs.mount import check_environment, spawn_background
-
     opts = _mount_options(args)
-    check_environment(opts)  # type: ignore[arg-type]
-    if opts.foreground:  # type: ignore[attr-defined]
+    check_environment(opts)
+    if opts.foreground:
         from shadefs.daemon import run_daemon
 
-        return run_daemon(opts, args.ready_fd)  # type: ignore[arg-type]
-    return spawn_background(argv, opts)  # type: ignore[arg-type]
+        return run_daemon(opts, args.ready_fd)
+    return spawn_background(argv, opts)
 
 
 def cmd_stat(args: argparse.Namespace) -> int:

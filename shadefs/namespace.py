@@ -227,12 +227,6 @@ class Namespace:
             node.st = st
         return node.st, changed
 
-    def child_path(self, parent: int, name: bytes) -> bytes:
-        ppath = self.nodes[parent].path
-        return ppath + b"/" + name if ppath else name
-
-    # --- attributes -------------------------------------------------------------------
-
     def attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino

@@ -34,10 +34,6 @@ class Policy(ABC):
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
 
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self.sizes.values())
-
     def inserted(self, key: int, size: int) -> None:
         self.sizes[key] = size
 

@@ -216,11 +216,6 @@ class SsdTier:
         await self._evict(key)
         return True
 
-    async def flush(self) -> None:
-        """Wait until every queued write is done (tests, warm-up, clean shutdown)."""
-        while self._pending:
-            await trio.sleep(0.01)
-
     # --- restore and watermarks ---------------------------------------------------------
 
     async def restore(self) -> None:
