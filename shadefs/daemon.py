@@ -18,19 +18,19 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from shadefs.cache import Cache
+from shadefs.cache.coordinator import Cache
+from shadefs.cache.policy import make_policy
+from shadefs.cache.prefetch import Prefetcher
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
+from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cli.background import MountOptions, check_environment
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_MOUNT_FAILED, EXIT_USAGE, QuietError
-from shadefs.control import Control
-from shadefs.fs import Operations
-from shadefs.metrics import Metrics, snapshot
-from shadefs.mount import MountOptions, check_environment
-from shadefs.namespace import Namespace
-from shadefs.policy import make_policy
-from shadefs.prefetch import Prefetcher
-from shadefs.sampling import Sampling
+from shadefs.control.files import Control
+from shadefs.fs.namespace import Namespace
+from shadefs.fs.operations import Operations
+from shadefs.sampling.registry import Sampling
 from shadefs.source import Source
-from shadefs.ssd import CacheLocked, SsdStore
-from shadefs.ssdtier import SsdTier
+from shadefs.stats import Metrics, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def _start_metrics(
 ) -> None:
     """Prometheus over HTTP. Scrapes arrive on the server's thread; the stats are computed
     in the trio thread, where the state they read is consistent."""
-    from shadefs.prom import start_server
+    from shadefs.ops.prom import start_server
 
     def threadsafe() -> dict[str, object]:
         if not token:
@@ -284,7 +284,7 @@ async def _announce_ready(opts: MountOptions, mnt: str, ready_fd: int | None) ->
     _READY = True
     log.info("mount %s is ready", mnt)
     if opts.systemd:
-        from shadefs import sdnotify
+        from shadefs.ops import sdnotify
 
         sdnotify.ready(f"serving {opts.source} on {mnt}")
     _report(ready_fd, "ready")

@@ -13,8 +13,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs import wire
-from shadefs.control import DIR_INODE
+from shadefs.control.files import DIR_INODE
+from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
 from tests.test_fs_api import lookup_path, make_fs, read_all
 

@@ -23,14 +23,14 @@ if not os.environ.get("CI"):
     pytest.importorskip("torchvision")
     pytest.importorskip("sklearn")
 
-from shadefs.demo import PLOT_NAME, mounted_under  # noqa: E402
+from shadefs.demo.run import PLOT_NAME, mounted_under  # noqa: E402
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch]
 
 
 @pytest.fixture(scope="module")
 def digits_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shadefs.digits import build_digits
+    from shadefs.demo.digits import build_digits
 
     return build_digits(tmp_path_factory.mktemp("digits") / "digits")
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shadefs import wire
-from shadefs.importance import NEUTRAL_SCORE, ImportanceTable, batch_rank_scores
-from shadefs.pads import OrderParams, build_order
+from shadefs.sampling import wire
+from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable, batch_rank_scores
+from shadefs.sampling.pads import OrderParams, build_order
 
 
 def _u32(*values: int) -> np.ndarray:

@@ -22,7 +22,7 @@ if not os.environ.get("CI"):
     pytest.importorskip("torchvision")
     pytest.importorskip("sklearn")
 
-from shadefs.digits import build_digits, train, tree_bytes  # noqa: E402
+from shadefs.demo.digits import build_digits, train, tree_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch]
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shadefs.pads import (
+from shadefs.sampling.pads import (
     OrderParams,
     ReplayController,
     build_global_order,

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shadefs.policy import BeladyPolicy
-from shadefs.prefetch import Plan, Prefetcher
+from shadefs.cache.policy import BeladyPolicy
+from shadefs.cache.prefetch import Plan, Prefetcher
 from tests.conftest import require_fuse, shadefs_cmd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def test_a_late_read_of_a_replayed_sample_does_not_jump_the_cursor() -> None:
 
 
 def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() -> None:
-    from shadefs import pads
+    from shadefs.sampling import pads
 
     n = 2000
     rng = np.random.default_rng(0)

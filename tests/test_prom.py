@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shadefs import prom
+from shadefs.ops import prom
 from tests.conftest import make_tree
 
 FULL = {

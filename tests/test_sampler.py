@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
 from torch.utils.data import BatchSampler, DataLoader, Dataset  # noqa: E402
 
-import shadefs.torch as st  # noqa: E402
-from shadefs import pads, wire  # noqa: E402
+import shadefs.torch.sampler as st  # noqa: E402
+from shadefs.sampling import pads, wire  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

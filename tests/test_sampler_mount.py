@@ -31,7 +31,7 @@ import torch.multiprocessing as tmp  # noqa: E402
 from PIL import Image  # noqa: E402
 from torchvision.datasets import ImageFolder  # noqa: E402
 
-from shadefs.torch import ShadeSampler  # noqa: E402
+from shadefs.torch.sampler import ShadeSampler  # noqa: E402
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch]
 

@@ -1,4 +1,4 @@
-"""Tests for shadefs.sdnotify against real AF_UNIX datagram sockets."""
+"""Tests for shadefs.ops.sdnotify against real AF_UNIX datagram sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shadefs import sdnotify
+from shadefs.ops import sdnotify
 
 
 def _bind(address: str) -> socket.socket:

@@ -1,4 +1,4 @@
-"""Tests for shadefs.ssd: the on-disk entry store never serves wrong bytes and counts right."""
+"""Tests for shadefs.cache.ssd_store: the entry store never serves wrong bytes and counts right."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs.ssd import HSIZE, CacheLocked, Signature, SsdStore
+from shadefs.cache.ssd_store import HSIZE, CacheLocked, Signature, SsdStore
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = 1 << 40  # a capacity that never binds
@@ -55,7 +55,7 @@ def tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from shadefs.ssd import Signature, SsdStore
+from shadefs.cache.ssd_store import Signature, SsdStore
 s = SsdStore(Path(sys.argv[1]), 1 << 40, min_free=0)
 for i in range(int(sys.argv[2])):
     data = (b"%08d" % i) * 100

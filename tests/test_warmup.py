@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shadefs import warmup
 from shadefs.common import EXIT_NOT_SHADEFS, EXIT_USAGE, QuietError
+from shadefs.ops import warmup
 from tests.conftest import make_tree
 
 FILES = {

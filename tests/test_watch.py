@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shadefs import watch
 from shadefs.common import EXIT_NOT_SHADEFS, QuietError
+from shadefs.ops import watch
 from tests.conftest import make_tree
 
 BEFORE = {

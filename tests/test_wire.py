@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs import wire
-from shadefs.wire import WireError
+from shadefs.sampling import wire
+from shadefs.sampling.wire import WireError
 
 
 def _losses_msg(n: int = 3) -> bytes:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import trio
 
+from shadefs.cli.background import MountOptions
 from shadefs.daemon import build
-from shadefs.mount import MountOptions
-from shadefs.namespace import ROOT_INODE
+from shadefs.fs.namespace import ROOT_INODE
 
 
 class _Ctx:

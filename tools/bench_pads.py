@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from shadefs import wire
-from shadefs.importance import ImportanceTable
-from shadefs.pads import OrderParams, build_order
+from shadefs.sampling import wire
+from shadefs.sampling.importance import ImportanceTable
+from shadefs.sampling.pads import OrderParams, build_order
 
 log = logging.getLogger(__name__)
 

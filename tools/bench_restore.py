@@ -46,8 +46,8 @@ from benchssd import (
     worker_pool,
 )
 
+from shadefs.cache.ssd_store import BLOCK, HSIZE, NBUCKETS, CacheLocked, Signature, SsdStore
 from shadefs.common import format_size
-from shadefs.ssd import BLOCK, HSIZE, NBUCKETS, CacheLocked, Signature, SsdStore
 
 GiB = 1 << 30
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import xxhash
 
-from shadefs.ssd import HEADER, MAGIC, VERSION, Signature, SsdStore
+from shadefs.cache.ssd_store import HEADER, MAGIC, VERSION, Signature, SsdStore
 
 SHADEFS = [sys.executable, "-m", "shadefs"]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from shadefs.digits import EpochRecord, build_digits, hit_ratio, train, tree_bytes
+from shadefs.demo.digits import EpochRecord, build_digits, hit_ratio, train, tree_bytes
 
 log = logging.getLogger("example_digits")
 

@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from shadefs import pads, wire
-from shadefs.importance import NEUTRAL_SCORE, ImportanceTable
+from shadefs.sampling import pads, wire
+from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A small real dataset and training loop for the demo, the example and the learning tests.
 
-This module owns three things that the demo (``shadefs.demo``), ``tools/example_digits.py``
+This module owns three things that the demo (``shadefs.demo.run``), ``tools/example_digits.py``
 and ``tests/test_learning.py`` share, so they measure the same thing:
 
 - ``build_digits``: scikit-learn's bundled ``digits`` (1797 8x8 images, no download) written
@@ -11,7 +11,7 @@ and ``tests/test_learning.py`` share, so they measure the same thing:
   that returns one ``EpochRecord`` per epoch, with the mount's hit ratio for that epoch
   taken from ``stats.json`` deltas.
 
-It imports torch (through ``shadefs.torch``), so import it only where torch is installed.
+It imports torch (through ``shadefs.torch.sampler``), so import it only where torch is installed.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import trio
 
-from shadefs.policy import Policy
-from shadefs.ssd import BLOCK, HSIZE, Signature, SsdStore
+from shadefs.cache.policy import Policy
+from shadefs.cache.ssd_store import BLOCK, HSIZE, Signature, SsdStore
 
 log = logging.getLogger(__name__)
 

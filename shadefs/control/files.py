@@ -32,14 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import pyfuse3
 
-from shadefs import wire
-from shadefs.cache import Cache
+from shadefs.cache.coordinator import Cache
+from shadefs.cache.policy import POLICIES, make_policy
+from shadefs.cache.prefetch import Plan, Prefetcher
 from shadefs.common import format_size, parse_size
-from shadefs.metrics import Metrics, render_text
-from shadefs.namespace import Namespace
-from shadefs.policy import POLICIES, make_policy
-from shadefs.prefetch import Plan, Prefetcher
-from shadefs.sampling import Sampling, SamplingError
+from shadefs.fs.namespace import Namespace
+from shadefs.sampling import wire
+from shadefs.sampling.registry import Sampling, SamplingError
+from shadefs.stats import Metrics, render_text
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Control:
         if spec is _STATS_JSON:
             return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
         if spec is _METRICS:
-            from shadefs.prom import render
+            from shadefs.ops.prom import render
 
             return render(self.stats())
         if spec is _CTL:

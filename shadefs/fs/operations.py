@@ -28,11 +28,11 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
-from shadefs.cache import Cache
-from shadefs.control import DIR_INODE, NAME, Control
-from shadefs.metrics import Metrics
-from shadefs.namespace import ROOT_INODE, Namespace
+from shadefs.cache.coordinator import Cache
+from shadefs.control.files import DIR_INODE, NAME, Control
+from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.source import Source
+from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
 

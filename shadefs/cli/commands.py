@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from shadefs import __version__
+from shadefs.cli.background import MountOptions, check_environment, default_ram, spawn_background
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
@@ -26,7 +27,6 @@ from shadefs.common import (
     parse_size,
     read_stats,
 )
-from shadefs.mount import MountOptions, check_environment, default_ram, spawn_background
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
     w = sub.add_parser("warmup", help="read files into the cache ahead of training")
-    from shadefs import warmup
+    from shadefs.ops import warmup
 
     warmup.add_arguments(w)
 
@@ -210,7 +210,7 @@ def _mount_options(args: argparse.Namespace) -> MountOptions:
     if values.get("ram") is None:
         values["ram"] = default_ram()
     if values.get("metrics"):
-        from shadefs.prom import parse_address
+        from shadefs.ops.prom import parse_address
 
         try:
             parse_address(str(values["metrics"]))
@@ -238,7 +238,7 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_stat(args: argparse.Namespace) -> int:
     if args.watch:
-        from shadefs.watch import watch
+        from shadefs.ops.watch import watch
 
         return watch(args.mountpoint, args.interval)
     ctl = control_dir(args.mountpoint)
@@ -319,7 +319,7 @@ def _alive(pid: int) -> bool:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shadefs.demo import run_demo
+    from shadefs.demo.run import run_demo
 
     return run_demo(args)
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
         if args.command == "warmup":
-            from shadefs import warmup
+            from shadefs.ops import warmup
 
             return warmup.run(args)
     except QuietError as exc:

@@ -34,7 +34,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shadefs.digits import EpochRecord
+    from shadefs.demo.digits import EpochRecord
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _signals_ignored() -> Iterator[None]:
 
 def _slowfs_script() -> Path | None:
     """tools/slowfs.py of the repository checkout this package runs from, if usable."""
-    script = Path(__file__).resolve().parent.parent / "tools" / "slowfs.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "slowfs.py"
     if script.is_file() and importlib.util.find_spec("pyfuse3") is not None:
         return script
     return None
@@ -233,7 +233,7 @@ def _epoch_table(results: dict[str, list[EpochRecord]]) -> list[str]:
 
 
 def _summary(results: dict[str, list[EpochRecord]]) -> list[str]:
-    from shadefs.digits import hit_ratio
+    from shadefs.demo.digits import hit_ratio
 
     lines = [
         f"{'run':48s} {'hit ratio':>9s} {'hit ratio':>9s} {'final':>8s} {'s/epoch':>8s}",
@@ -355,7 +355,7 @@ def _run(
 ) -> None:
     import torch
 
-    from shadefs import digits
+    from shadefs.demo import digits
 
     log_dir = workdir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -25,14 +25,14 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.metrics import Metrics
-from shadefs.policy import Policy
+from shadefs.cache.policy import Policy
+from shadefs.cache.ssd_store import Signature
+from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
-from shadefs.ssd import Signature
-from shadefs.ssdtier import SsdTier
+from shadefs.stats import Metrics
 
 if TYPE_CHECKING:
-    from shadefs.prefetch import Prefetcher
+    from shadefs.cache.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 

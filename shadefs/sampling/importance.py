@@ -2,7 +2,7 @@
 
 This module owns the "ghost table" of the shade policy: a score in [0, 1] for every sample of
 the registered dataset, cached or not, so that admission can compare a miss with the least
-important cached entry and the PADS order (``shadefs.pads``) can draw by importance.
+important cached entry and the PADS order (``shadefs.sampling.pads``) can draw by importance.
 
 Scores follow SHADE's insight (``reference/shade.md`` §2): only the *rank* of a sample's loss
 within its mini-batch is kept, never the loss magnitude, so scores computed by different model

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from shadefs.common import format_size
 
 if TYPE_CHECKING:
-    from shadefs.cache import Cache
-    from shadefs.namespace import Namespace
+    from shadefs.cache.coordinator import Cache
+    from shadefs.fs.namespace import Namespace
     from shadefs.source import Source
 
 log = logging.getLogger(__name__)

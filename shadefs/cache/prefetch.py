@@ -40,10 +40,10 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.ssd import Signature
+from shadefs.cache.ssd_store import Signature
 
 if TYPE_CHECKING:
-    from shadefs.cache import Cache
+    from shadefs.cache.coordinator import Cache
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ This module owns the training job's half of the ``MOUNT/.shadefs`` sampler proto
 order (PADS, computed by the daemon because only the daemon knows what is cached), attributes
 the per-sample losses of every trained batch to the indices it handed out, and sends them in
 buffered binary messages.  The filesystem never imports torch; this module does, and
-so do the demo helpers built on it (``shadefs.digits``, ``shadefs.demo``).
+so do the demo helpers built on it (``shadefs.demo.digits``, ``shadefs.demo.run``).
 
 Typical use (three lines added to an ordinary loop)::
 
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from shadefs import wire
+from shadefs.sampling import wire
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Where a file's bytes are: the coordinator, the RAM and SSD tiers, staging, the policies."""

@@ -1,0 +1,1 @@
+"""The `.shadefs` control directory: its files, the ctl commands and the sampler channel."""

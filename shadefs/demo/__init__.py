@@ -1,0 +1,1 @@
+"""`shadefs demo`: the bundled digits dataset, a training loop and the plot."""

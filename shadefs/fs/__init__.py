@@ -1,0 +1,1 @@
+"""The kernel-facing side: pyfuse3 `Operations` and the namespace (inodes, snapshots)."""

@@ -1,0 +1,1 @@
+"""Operations: warm-up, the live view, Prometheus metrics and systemd notification."""

@@ -1,0 +1,1 @@
+"""What the sampler steers: the importance table, PADS orders and the wire formats."""
