@@ -216,7 +216,8 @@ def build_global_order(scores: np.ndarray, resident: np.ndarray, params: OrderPa
         int(np.count_nonzero(counts)),
         int(counts[np.asarray(resident, dtype=bool)].sum()),
     )
-    return order
+    result: np.ndarray = order
+    return result
 
 
 def rank_slice(order: np.ndarray, world_size: int, rank: int) -> np.ndarray:

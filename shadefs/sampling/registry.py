@@ -145,8 +145,9 @@ class Sampling:
 
     def order(
         self, request: wire.OrderRequest, resident: Callable[[np.ndarray], np.ndarray]
-    ) -> bytes:
-        """This rank's share of the epoch; `resident(keys)` says which keys are cached."""
+    ) -> np.ndarray:
+        """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
+        cached."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)

@@ -101,20 +101,20 @@ def message_length(prefix: bytes | bytearray | memoryview) -> int | None:
             return None
         _, _, _, count, payload = _DATASET.unpack_from(prefix)
         _check_dataset_counts(count, payload)
-        return _DATASET.size + payload
+        return _DATASET.size + int(payload)
     if head == MAGIC_LOSSES:
         if len(prefix) < _LOSSES.size:
             return None
         _, _, _, batches, count = _LOSSES.unpack_from(prefix)
         _check_loss_counts(batches, count)
-        return _LOSSES.size + 4 * batches + 12 * count
+        return _LOSSES.size + 4 * int(batches) + 12 * int(count)
     if head == MAGIC_ORDER_REQUEST:
         return _REQUEST.size
     if len(prefix) < _RESPONSE.size:
         return None
     _, _, _, _, count = _RESPONSE.unpack_from(prefix)
     _check_response_count(count)
-    return _RESPONSE.size + 8 * count
+    return _RESPONSE.size + 8 * int(count)
 
 
 # -- dataset registration -------------------------------------------------------------------
