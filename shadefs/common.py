@@ -49,19 +49,42 @@ class QuietError(Exception):
         return self.msg
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
+# Explicit [0-9] and re.ASCII: Python's \d, int() and float() take any Unicode digit (`٣M`
+# would be 3 MiB), and IGNORECASE without ASCII lets the Kelvin sign stand for K.
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?B?)?\s*", re.IGNORECASE | re.ASCII)
+_INT_RE = re.compile(r"\s*([0-9]+)\s*", re.ASCII)
+_FLOAT_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*", re.ASCII)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
 
 def parse_size(text: str) -> int:
     """Parse `123`, `64K`, `1.5G`, `16GiB` into bytes (binary multiples). Raises ValueError."""
-    m = _SIZE_RE.match(text)
+    m = _SIZE_RE.fullmatch(text)
     if not m:
         raise ValueError(f"not a size: {text!r} (use bytes or a K/M/G/T suffix, e.g. 16G)")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if value >= 1 << 62:
         raise ValueError(f"size too large: {text!r}")
     return int(value)
+
+
+def parse_int(text: str, minimum: int = 0) -> int:
+    """A decimal integer in ASCII digits, at least `minimum`. Raises ValueError."""
+    m = _INT_RE.fullmatch(text)
+    if not m:
+        raise ValueError(f"not a whole number: {text!r}")
+    value = int(m.group(1))
+    if value < minimum:
+        raise ValueError(f"{text.strip()} is less than {minimum}")
+    return value
+
+
+def parse_float(text: str) -> float:
+    """A non-negative decimal number in ASCII digits (no sign, exponent, inf or nan)."""
+    m = _FLOAT_RE.fullmatch(text)
+    if not m:
+        raise ValueError(f"not a number: {text!r} (use digits, e.g. 2.5)")
+    return float(m.group(1))
 
 
 def format_size(n: float) -> str:

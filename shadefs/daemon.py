@@ -23,11 +23,11 @@ from shadefs.cache.policy import make_policy
 from shadefs.cache.prefetch import Prefetcher
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
-from shadefs.cli.background import MountOptions, check_environment
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_MOUNT_FAILED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
+from shadefs.options import MountOptions, check_environment
 from shadefs.sampling.registry import Sampling
 from shadefs.source import Source
 from shadefs.stats import Metrics, snapshot

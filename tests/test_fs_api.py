@@ -11,10 +11,10 @@ import pyfuse3
 import pytest
 import trio
 
-from shadefs.cli.background import MountOptions
 from shadefs.control.files import DIR_INODE, NAME
 from shadefs.daemon import build
 from shadefs.fs.namespace import ROOT_INODE
+from shadefs.options import MountOptions
 from tests.conftest import FakeCtx, make_tree
 
 CTX = FakeCtx()
