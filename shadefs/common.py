@@ -18,12 +18,7 @@ Exit codes (documented in the README):
 
 from __future__ import annotations
 
-import errno
-import json
 import re
-import stat
-from pathlib import Path
-from typing import Any
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -94,40 +89,3 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def control_dir(mountpoint: str) -> Path:
-    """MNT/.shadefs, or QuietError(EXIT_NOT_SHADEFS) when MNT is not a live shadefs mount."""
-    ctl = Path(mountpoint) / ".shadefs"
-    try:
-        st = ctl.stat()
-    except FileNotFoundError:
-        raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS) from None
-    except OSError as exc:
-        raise _mount_error(mountpoint, exc) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise QuietError(f"{mountpoint} is not a shadefs mount", EXIT_NOT_SHADEFS)
-    return ctl
-
-
-def read_stats(mountpoint: str) -> dict[str, Any]:
-    """stats.json of a mount, or QuietError(EXIT_NOT_SHADEFS) saying why not."""
-    path = control_dir(mountpoint) / "stats.json"
-    try:
-        stats = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise _mount_error(mountpoint, exc) from None
-    except ValueError:
-        raise QuietError(f"{mountpoint}: stats.json is not JSON", EXIT_NOT_SHADEFS) from None
-    if not isinstance(stats, dict):
-        raise QuietError(f"{mountpoint}: stats.json is not an object", EXIT_NOT_SHADEFS)
-    return stats
-
-
-def _mount_error(mountpoint: str, exc: OSError) -> QuietError:
-    if exc.errno == errno.ENOTCONN:
-        return QuietError(
-            f"the shadefs daemon of {mountpoint} is gone: run `shadefs umount {mountpoint}`",
-            EXIT_NOT_SHADEFS,
-        )
-    return QuietError(f"{mountpoint}: {exc.strerror}", EXIT_NOT_SHADEFS)

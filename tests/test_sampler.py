@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +26,12 @@ pytestmark = pytest.mark.torch
 
 
 class FakeChannel:
-    """Stands in for shadefs.torch._Channel: records every message, serves PADS orders."""
+    """Stands in for ControlClient: records every message, serves PADS orders."""
 
     instances: list[FakeChannel] = []
 
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, mountpoint: str) -> None:
+        self.mountpoint = mountpoint
         self.ctl_lines: list[str] = []
         self.datasets: list[list[str]] = []
         self.loss_messages: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -37,8 +39,9 @@ class FakeChannel:
         self.orders: list[np.ndarray] = []
         FakeChannel.instances.append(self)
 
-    def ctl(self, text: str) -> None:
+    def ctl(self, text: str) -> str:
         self.ctl_lines.append(text)
+        return "ok"
 
     def register(self, message: bytes) -> None:
         self.datasets.append(wire.decode_dataset(message))
@@ -69,7 +72,7 @@ class FakeChannel:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> type[FakeChannel]:
     FakeChannel.instances = []
-    monkeypatch.setattr(st, "_Channel", FakeChannel)
+    monkeypatch.setattr(st, "ControlClient", FakeChannel)
     return FakeChannel
 
 
@@ -253,7 +256,7 @@ def test_mount_discovery_and_relative_paths(tmp_path: Path, fake: type[FakeChann
     paths = fake_mount(root, 6)
     st.ShadeSampler(paths)
     chan = fake.instances[0]
-    assert chan.root == str(root)
+    assert chan.mountpoint == str(root)
     assert chan.datasets[0] == [os.path.relpath(p, root) for p in paths]
     assert chan.datasets[0][1] == os.path.join("train", "c1", "0001.png")
 
@@ -283,17 +286,27 @@ def test_real_channel_names_the_file_when_the_daemon_lacks_it(tmp_path: Path) ->
         st.ShadeSampler(paths)
 
 
-def test_only_torch_module_imports_torch() -> None:
+def test_only_the_sampler_and_the_demo_import_torch() -> None:
     import shadefs
 
     pkg = Path(shadefs.__file__).parent
     offenders = [
-        p.name
-        for p in pkg.glob("*.py")
-        if p.name not in ("torch.py", "digits.py", "demo.py")
+        str(p.relative_to(pkg))
+        for p in pkg.rglob("*.py")
+        if p.relative_to(pkg).parts[0] != "demo"
+        and str(p.relative_to(pkg)) != "torch/sampler.py"
         and any(
             line.strip().startswith(("import torch", "from torch"))
             for line in p.read_text().splitlines()
         )
     ]
     assert offenders == []
+
+
+def test_the_client_works_without_torch() -> None:
+    # The CLI imports the client; torch is an optional extra.
+    code = (
+        "import sys; import shadefs.torch.client; from shadefs.torch import find_mount\n"
+        "assert 'torch' not in {m.split('.')[0] for m in sys.modules}, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

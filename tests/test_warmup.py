@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from shadefs.common import EXIT_NOT_SHADEFS, EXIT_USAGE, QuietError
-from shadefs.ops import warmup
+from shadefs.ops import progress, residency_check, warmup
+from shadefs.torch import client
 from tests.conftest import make_tree
 
 FILES = {
@@ -74,13 +76,40 @@ def test_the_walk_is_sorted_and_skips_control_links_and_special_files(src: Path)
 def test_paths_and_lists_select_files_once_in_order(
     src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(src / "a")
+    monkeypatch.chdir(src / "a")  # the current directory plays no part
     listing = tmp_path / "list.txt"
     listing.write_bytes(f"c/7.bin\n\n{src}/b/4.bin\na/1.bin\n".encode())
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"top.txt\n")))
-    sel = warmup.select(str(src), ["deep", "../c/6.bin"], [str(listing), "-"], sizes=True)
+    sel = warmup.select(str(src), ["a/deep", "c/6.bin"], [str(listing), "-"], sizes=True)
     assert rel(src, sel) == ["a/deep/3.bin", "c/6.bin", "c/7.bin", "b/4.bin", "a/1.bin", "top.txt"]
     assert [size for _, size in sel.files] == [3000, 600, 700, 4000, 1000, 4]
+
+
+@pytest.mark.parametrize("form", ["positional", "list"])
+def test_one_rule_for_paths_relative_to_mnt_or_absolute_under_it(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # "a" here would be tmp_path/a: it must be MNT/a
+
+    def select(*paths: str) -> list[str]:
+        if form == "positional":
+            return rel(src, warmup.select(str(src), paths))
+        listing = tmp_path / "list.txt"
+        listing.write_text("".join(p + "\n" for p in paths))
+        return rel(src, warmup.select(str(src), [], [str(listing)]))
+
+    assert select("a") == ["a/1.bin", "a/2.bin", "a/deep/3.bin"]
+    assert select("./c/../b/4.bin") == ["b/4.bin"]
+    assert select(str(src / "c"), str(src / "top.txt")) == ["c/6.bin", "c/7.bin", "top.txt"]
+    # The mount spelt through a symbolic link is still the mount.
+    (tmp_path / "alias").symlink_to(src)
+    assert select(str(tmp_path / "alias" / "c" / "7.bin")) == ["c/7.bin"]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x")
+    for bad in (str(outside), "../outside.bin", "a/../../outside.bin", str(src) + "-other"):
+        with pytest.raises(QuietError, match="is not under the mount") as e:
+            select(bad)
+        assert e.value.exitcode == EXIT_USAGE
 
 
 def test_paths_outside_the_mount_are_usage_errors(src: Path, tmp_path: Path) -> None:
@@ -89,12 +118,13 @@ def test_paths_outside_the_mount_are_usage_errors(src: Path, tmp_path: Path) -> 
     assert e.value.exitcode == EXIT_USAGE
     listing = tmp_path / "list.txt"
     listing.write_text("a/../../escape\n")
-    with pytest.raises(QuietError) as e:
+    with pytest.raises(QuietError, match=r"list\.txt:1: a/\.\./\.\./escape") as e:
         warmup.select(str(src), [], [str(listing)])
     assert e.value.exitcode == EXIT_USAGE
-    with pytest.raises(QuietError) as e:
-        warmup.select(str(src), [str(src / ".shadefs")])
-    assert e.value.exitcode == EXIT_USAGE
+    for control in (str(src / ".shadefs"), ".shadefs/stats"):
+        with pytest.raises(QuietError, match="control directory") as e:
+            warmup.select(str(src), [control])
+        assert e.value.exitcode == EXIT_USAGE
     with pytest.raises(QuietError) as e:
         warmup.select(str(src), [], [str(tmp_path / "no-such-list")])
     assert e.value.exitcode == EXIT_USAGE
@@ -114,16 +144,43 @@ def test_jobs_must_be_positive() -> None:
     assert parser.parse_args(["/mnt"]).jobs == warmup.DEFAULT_JOBS
 
 
-def test_progress_redraws_one_line_in_place() -> None:
+def test_progress_on_a_terminal_is_a_rich_bar() -> None:
     out = io.StringIO()
-    p = warmup.Progress(out)
-    p.reading(3, 12, 3 << 20, 1.5)
+    console = Console(file=out, force_terminal=True, width=100)
+    with progress.RichProgress(console) as p:
+        p.listing(7)
+        p.reading(3, 12, 3 << 20, 1.5)
     text = out.getvalue()
-    assert text.startswith("\r") and text.endswith("\x1b[K")
-    assert "3/12 files" in text and "3.0 MiB" in text and "2 files/s" in text
-    assert "ETA 0:04" in text and "\n" not in text
-    p.clear()
-    assert out.getvalue().endswith("\r\x1b[K")
+    assert "3/12" in text and "3.0 MiB" in text and "2.0 MiB/s" in text
+
+
+def test_progress_elsewhere_is_plain_lines_now_and_then() -> None:
+    out = io.StringIO()
+    now = [0.0]
+    p = progress.PlainProgress(out, every=10.0, clock=lambda: now[0])
+    p.listing(5)
+    p.reading(1, 12, 1 << 20, 1.0)
+    assert out.getvalue() == ""  # a short run prints nothing
+    now[0] = 10.0
+    p.listing(9)
+    now[0] = 25.0
+    p.reading(3, 12, 3 << 20, 1.5)
+    p.reading(4, 12, 4 << 20, 2.0)  # too soon after the last line
+    assert out.getvalue().splitlines() == [
+        "listing: 9 files found",
+        "3/12 files, 3.0 MiB, 2 files/s, ETA 0:04",
+    ]
+    assert "\x1b" not in out.getvalue() and "\r" not in out.getvalue()
+
+
+def test_the_display_follows_the_output() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    with progress.progress_for(Tty()) as p:
+        assert isinstance(p, progress.RichProgress)
+    assert isinstance(progress.progress_for(io.StringIO()), progress.PlainProgress)
 
 
 # --- warm-up through a real mount -------------------------------------------------------
@@ -151,7 +208,7 @@ def test_warmup_of_chosen_paths_reads_only_those(
     src: Path, tmp_path: Path, mounter, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = mounter(src, "--ram", "10M")
-    monkeypatch.chdir(m.mnt)
+    monkeypatch.chdir(tmp_path)  # relative PATHs are taken from MNT, not from here
     listing = tmp_path / "list.txt"
     listing.write_text(f"c/6.bin\n{m.mnt}/top.txt\n")
     assert main(str(m.mnt), "a", str(m.mnt / "b" / "4.bin"), "--from-file", str(listing)) == 0
@@ -186,7 +243,7 @@ class FakeResidency:
         self.extra = extra
 
     def write(self, data: bytes) -> int:
-        assert len(data) <= warmup.MAX_WRITE and data.endswith(b"\n")
+        assert len(data) <= client.MAX_RESIDENCY_WRITE and data.endswith(b"\n")
         self.writes.append(data)
         return len(data)
 
@@ -199,7 +256,7 @@ def test_query_residency_writes_whole_lines_in_64k_chunks() -> None:
     paths = [f"train/class{i % 7}/image-{i:08d}.jpeg".encode() for i in range(5000)]
     answers = {p: ("ram", "ssd", "none")[i % 3] for i, p in enumerate(paths)}
     fake = FakeResidency(answers)
-    got = warmup.query_residency(fake, paths)
+    got = client.query_residency(fake, paths)
     assert got == [answers[p] for p in paths]
     assert len(fake.writes) > 1
     assert b"".join(fake.writes) == b"".join(p + b"\n" for p in paths)
@@ -207,8 +264,10 @@ def test_query_residency_writes_whole_lines_in_64k_chunks() -> None:
 
 def test_query_residency_refuses_an_answer_of_the_wrong_length() -> None:
     with pytest.raises(QuietError) as e:
-        warmup.query_residency(FakeResidency({}, extra=b"ram\n"), [b"a", b"b"])
+        client.query_residency(FakeResidency({}, extra=b"ram\n"), [b"a", b"b"])
     assert e.value.exitcode == EXIT_NOT_SHADEFS
+    with pytest.raises(ValueError, match="newline"):
+        client.query_residency(FakeResidency({}), [b"a\nb"])
 
 
 def test_check_report_counts_files_and_bytes_per_tier(tmp_path: Path) -> None:
@@ -219,7 +278,7 @@ def test_check_report_counts_files_and_bytes_per_tier(tmp_path: Path) -> None:
     fake = FakeResidency(
         {b"r0": "ram", b"r1": "ram", b"n0": "none"} | {b"s%d" % i: "ssd" for i in range(6)}
     )
-    report = warmup.check(mnt, files, fake)
+    report = residency_check.check(mnt, files, lambda rels: client.query_residency(fake, rels))
     assert report.text().splitlines() == [
         "10 files, 2.1 KiB: ram 2 (20.0%), ssd 6 (60.0%), not cached 1, missing 1",
         "bytes: ram 200 B (9.1%), ssd 1.8 KiB (81.8%), not cached 200 B",
@@ -230,12 +289,17 @@ def test_check_report_counts_files_and_bytes_per_tier(tmp_path: Path) -> None:
     assert d["tiers"]["ssd"] == {"files": 6, "bytes": 1800}
     assert d["tiers"]["missing"] == {"files": 1, "bytes": 0}
     assert d["cached_files_fraction"] == 0.8
+    # A name with a newline cannot be asked about in the line protocol: it is `unknown`.
+    odd = [(f"{mnt}/new\nline", 50), (f"{mnt}/r0", 100)]
+    fresh = FakeResidency({b"r0": "ram"})
+    report = residency_check.check(mnt, odd, lambda rels: client.query_residency(fresh, rels))
+    assert report.files == {"unknown": 1, "ram": 1}
 
 
 @pytest.mark.mount
 def test_check_on_a_real_mount(src: Path, mounter, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     m = mounter(src, "--ram", "10M")
-    monkeypatch.chdir(m.mnt)
+    monkeypatch.chdir(src / "b")
     assert main(str(m.mnt), "a") == 0
     capsys.readouterr()
     before = m.stats()

@@ -13,21 +13,18 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from shadefs import __version__, options
 from shadefs.cli.background import spawn_background
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
-    EXIT_REJECTED,
     QuietError,
-    control_dir,
     parse_float,
     parse_int,
-    read_stats,
 )
 from shadefs.options import argtype, check_environment
+from shadefs.torch.client import ControlClient, read_stats
 
 log = logging.getLogger(__name__)
 
@@ -89,34 +86,13 @@ def cmd_stat(args: argparse.Namespace) -> int:
         from shadefs.ops.watch import watch
 
         return watch(args.mountpoint, args.interval)
-    ctl = control_dir(args.mountpoint)
-    name = "stats.json" if args.json else "stats"
-    sys.stdout.write((ctl / name).read_text())
+    sys.stdout.write(ControlClient(args.mountpoint).text("stats.json" if args.json else "stats"))
     return 0
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
-    ctl = control_dir(args.mountpoint) / "ctl"
-    line = " ".join(args.words) + "\n"
-    fd = os.open(ctl, os.O_WRONLY)
-    try:
-        os.write(fd, line.encode())
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        result = _last_result(ctl)
-        raise QuietError(f"rejected: {result}", EXIT_REJECTED) from None
-    finally:
-        os.close(fd)
-    print(_last_result(ctl))
+    print(ControlClient(args.mountpoint).ctl(" ".join(args.words)))
     return 0
-
-
-def _last_result(ctl: Path) -> str:
-    for line in ctl.read_text().splitlines():
-        if line.startswith("# last write: "):
-            return line[len("# last write: ") :]
-    return "unknown"
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

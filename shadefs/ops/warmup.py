@@ -3,17 +3,18 @@
     shadefs warmup MNT [PATH...] [--from-file F] [-j N] [--json]
     shadefs warmup MNT [PATH...] [--from-file F] --check [--json]
 
-This module owns choosing the files (PATH arguments, a list file, or the whole mount),
-reading them with a pool of threads, the progress bar, and the client side of the
-`.shadefs/residency` control file that `--check` uses. It never talks to the cache directly:
-a warm-up is plain reads through the mount, so the daemon admits what it reads by the same
-policy as any reader (a file the policy refuses stays uncached; `--check` shows that).
+This module owns choosing the files (PATH arguments, a list file, or the whole mount) and
+reading them with a pool of threads. The progress display is `ops.progress` (rich on a
+terminal, plain lines otherwise); `--check` is `ops.residency_check`. It never talks to the
+cache directly: a warm-up is plain reads through the mount, so the daemon admits what it
+reads by the same policy as any reader (a file the policy refuses stays uncached; `--check`
+shows that).
 
-PATHs are files or directories under MNT, absolute or relative to the current directory.
+PATHs, on the command line or one per line in `--from-file F` (`-` reads standard input),
+follow one rule: a relative path is relative to MNT, an absolute path must lie under MNT.
 Directories are walked recursively in name order; symbolic links and special files found by
-the walk are skipped (a link could lead out of the mount or loop; a FIFO would block).
-`--from-file F` adds one path per line, relative to MNT or absolute under it (`-` reads
-standard input). With neither, the whole mount is warmed.
+the walk are skipped (a link could lead out of the mount or loop; a FIFO would block). With
+neither PATHs nor a list, the whole mount is warmed.
 
 Exit codes (the others are in common.py):
 
@@ -32,36 +33,34 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import Protocol
 
-from shadefs.common import (
-    EXIT_NOT_SHADEFS,
-    EXIT_OK,
-    EXIT_USAGE,
-    QuietError,
-    control_dir,
-    format_size,
-)
+from shadefs.common import EXIT_OK, EXIT_USAGE, QuietError, format_size
+from shadefs.ops import residency_check
+from shadefs.ops.residency_check import MAX_LISTED
+from shadefs.torch.client import CONTROL_DIR, ControlClient
 
 log = logging.getLogger(__name__)
 
 EXIT_UNREADABLE = 3
-CONTROL = ".shadefs"
 CHUNK = 1 << 20
-# The residency protocol: whole lines, at most this many bytes per write().
-MAX_WRITE = 64 << 10
-MAX_LISTED = 10
 DEFAULT_JOBS = 16
-# Redraw the progress bar at most this often (seconds).
+# Report progress at most this often (seconds).
 REDRAW = 0.1
-CACHED = ("ram", "ssd")
+
+
+class Progress(Protocol):
+    """What the warm-up reports while it runs (`ops.progress` draws it)."""
+
+    def listing(self, found: int) -> None: ...
+
+    def reading(self, done: int, total: int, nbytes: int, elapsed: float) -> None: ...
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,14 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "paths",
         nargs="*",
         metavar="PATH",
-        help="files or directories under MNT to warm (default: the whole mount)",
+        help="files or directories to warm, relative to MNT or absolute under it "
+        "(default: the whole mount)",
     )
     parser.add_argument(
         "--from-file",
         metavar="F",
         action="append",
         default=[],
-        help="read more paths from F, one per line, relative to MNT ('-': standard input)",
+        help="read more paths from F, one per line, relative to MNT or absolute under it "
+        "('-': standard input)",
     )
     parser.add_argument(
         "--check",
@@ -108,13 +109,20 @@ def _positive_int(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run `shadefs warmup`; returns the exit code (QuietError for expected failures)."""
-    mnt = os.path.abspath(args.mountpoint)
-    control_dir(mnt)
-    progress = Progress(sys.stderr) if sys.stderr.isatty() else None
-    selection = select(mnt, args.paths, args.from_file, sizes=args.check, progress=progress)
-    if args.check:
-        return _run_check(mnt, selection, args.json)
-    result = warm([f for f, _ in selection.files], jobs=args.jobs, progress=progress)
+    # rich is loaded here, not at import: the parser that imports this module also mounts.
+    from shadefs.ops.progress import progress_for
+
+    client = ControlClient(args.mountpoint)
+    client.check()
+    mnt = client.mountpoint
+    with progress_for(sys.stderr) as progress:
+        selection = select(mnt, args.paths, args.from_file, sizes=args.check, progress=progress)
+        files = [f for f, _ in selection.files]
+        result = None if args.check else warm(files, jobs=args.jobs, progress=progress)
+    if result is None:
+        report = residency_check.check(mnt, selection.files, client.residency)
+        missing = residency_check.print_report(report, selection.errors, args.json)
+        return EXIT_UNREADABLE if missing else EXIT_OK
     result.failures[:0] = selection.errors
     result.failed += len(selection.errors)
     _print_result(result, args.json)
@@ -148,12 +156,14 @@ def select(
 ) -> Selection:
     """Expand PATHs and list files into regular files under `mnt`.
 
-    `sizes` stats every file (for --check's byte counts); otherwise sizes are -1, because a
-    warm-up does not need them and each stat is a request to the daemon. A path that does not
-    exist is kept with size 0: a warm-up then fails on it, and --check reports it `missing`.
+    A relative path is relative to `mnt`; an absolute one must lie under it (QuietError,
+    exit code 2, otherwise). `sizes` stats every file (for --check's byte counts); otherwise
+    sizes are -1, because a warm-up does not need them and each stat is a request to the
+    daemon. A path that does not exist is kept with size 0: a warm-up then fails on it, and
+    --check reports it `missing`.
     """
     mnt = os.path.abspath(mnt)
-    targets = [_under(mnt, os.path.abspath(p), p) for p in paths]
+    targets = [_under_mount(mnt, p, p) for p in paths]
     for name in from_files:
         targets.extend(_read_list(mnt, name))
     if not paths and not from_files:
@@ -161,18 +171,22 @@ def select(
     sel = Selection()
     for target in targets:
         _expand(mnt, target, sel, sizes, progress)
-    if progress:
-        progress.clear()
     return sel
 
 
-def _under(mnt: str, path: str, shown: str) -> str:
-    if _is_under(mnt, path):
-        return path
-    # The same place spelt through a symbolic link (e.g. /data -> /mnt/shade).
-    real = os.path.realpath(path)
-    if _is_under(os.path.realpath(mnt), real):
-        return os.path.join(mnt, os.path.relpath(real, os.path.realpath(mnt)))
+def _under_mount(mnt: str, path: str, shown: str) -> str:
+    """`path` as an absolute path under `mnt` (a relative one is taken from `mnt`).
+
+    `shown` names the path in the error: QuietError (exit code 2) when it is outside.
+    """
+    full = os.path.normpath(os.path.join(mnt, path))
+    if _is_under(mnt, full):
+        return full
+    if os.path.isabs(path):
+        # The same place spelt through a symbolic link (e.g. /data -> /mnt/shade).
+        real, real_mnt = os.path.realpath(full), os.path.realpath(mnt)
+        if _is_under(real_mnt, real):
+            return os.path.normpath(os.path.join(mnt, os.path.relpath(real, real_mnt)))
     raise QuietError(f"{shown} is not under the mount {mnt}", EXIT_USAGE)
 
 
@@ -189,17 +203,12 @@ def _read_list(mnt: str, name: str) -> list[str]:
                 data = f.read()
     except OSError as exc:
         raise QuietError(f"cannot read the list {name}: {exc.strerror}", EXIT_USAGE) from None
-    out = []
     # Bytes, split on \n only: names may hold spaces, \r or bytes that are not UTF-8.
-    for n, raw in enumerate(data.split(b"\n"), 1):
-        if not raw:
-            continue
-        line = os.fsdecode(raw)
-        path = os.path.normpath(os.path.join(mnt, line))
-        if not _is_under(mnt, path):
-            raise QuietError(f"{name}:{n}: {line} is not under the mount {mnt}", EXIT_USAGE)
-        out.append(path)
-    return out
+    return [
+        _under_mount(mnt, os.fsdecode(raw), f"{name}:{n}: {os.fsdecode(raw)}")
+        for n, raw in enumerate(data.split(b"\n"), 1)
+        if raw
+    ]
 
 
 def _expand(mnt: str, target: str, sel: Selection, sizes: bool, progress: Progress | None) -> None:
@@ -252,7 +261,7 @@ def _listdir(path: str, sel: Selection) -> list[os.DirEntry[str]]:
 
 
 def _is_control(mnt: str, path: str) -> bool:
-    return _is_under(os.path.join(mnt, CONTROL), path)
+    return _is_under(os.path.join(mnt, CONTROL_DIR), path)
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -337,57 +346,8 @@ def warm(
     except KeyboardInterrupt:
         stop.set()
         raise
-    finally:
-        if progress:
-            progress.clear()
     result.seconds = time.monotonic() - start
     return result
-
-
-class Progress:
-    """A one-line progress bar on a terminal, redrawn in place at most every REDRAW s."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out = out
-        self._last = 0.0
-        self._drawn = False
-
-    def _draw(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < REDRAW:
-            return
-        self._last = now
-        width = shutil.get_terminal_size((80, 24)).columns - 1
-        # \r plus erase-to-end-of-line: a shorter line must not leave the old one's tail.
-        self.out.write("\r" + text[:width] + "\x1b[K")
-        self.out.flush()
-        self._drawn = True
-
-    def listing(self, found: int) -> None:
-        self._draw(f"listing: {found} files found")
-
-    def reading(self, done: int, total: int, nbytes: int, elapsed: float) -> None:
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = _duration((total - done) / rate) if rate > 0 else "--:--"
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 20)
-        self._draw(
-            f"[{bar:<20}] {done}/{total} files  {format_size(nbytes)}  "
-            f"{rate:.0f} files/s  ETA {eta}"
-        )
-
-    def clear(self) -> None:
-        if self._drawn:
-            self.out.write("\r\x1b[K")
-            self.out.flush()
-            self._drawn = False
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    if s >= 3600:
-        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-    return f"{s // 60}:{s % 60:02d}"
 
 
 def _print_result(result: Result, as_json: bool) -> None:
@@ -404,187 +364,3 @@ def _print_result(result: Result, as_json: bool) -> None:
         print(f"shadefs: failed: {path}: {why}", file=sys.stderr)
     if result.failed > MAX_LISTED:
         print(f"shadefs: ... and {result.failed - MAX_LISTED} more", file=sys.stderr)
-
-
-# --- --check: the residency control file --------------------------------------------------
-
-
-class Channel(Protocol):
-    """One open descriptor of `.shadefs/residency` (or a stand-in for tests)."""
-
-    def write(self, data: bytes) -> int: ...
-
-    def read_all(self) -> bytes: ...
-
-
-class FileChannel:
-    """The residency file opened read-write: write the queries, then read the answers."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-
-    def write(self, data: bytes) -> int:
-        return os.write(self.fd, data)
-
-    def read_all(self) -> bytes:
-        # pread from offset 0: the writes moved the descriptor's offset past the answers.
-        parts = []
-        off = 0
-        while chunk := os.pread(self.fd, CHUNK, off):
-            parts.append(chunk)
-            off += len(chunk)
-        return b"".join(parts)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def __enter__(self) -> FileChannel:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def query_residency(channel: Channel, rel_paths: Iterable[bytes]) -> list[str]:
-    """Ask where each path (relative to the mount root, no newline in it) is cached.
-
-    Writes whole newline-terminated lines, at most MAX_WRITE bytes per write(), then reads
-    the accumulated answers: one of `ram`, `ssd`, `none`, `missing` per path, in order.
-    """
-    sent = 0
-    batch: list[bytes] = []
-    size = 0
-    for rel in rel_paths:
-        line = rel + b"\n"
-        if len(line) > MAX_WRITE:
-            raise ValueError(f"path too long for the residency file: {rel[:80]!r}...")
-        if size + len(line) > MAX_WRITE:
-            _write_all(channel, b"".join(batch))
-            batch, size = [], 0
-        batch.append(line)
-        size += len(line)
-        sent += 1
-    if batch:
-        _write_all(channel, b"".join(batch))
-    answers = channel.read_all().decode("utf-8", "replace").splitlines()
-    if len(answers) != sent:
-        raise QuietError(
-            f"the daemon answered {len(answers)} residency lines for {sent} paths",
-            EXIT_NOT_SHADEFS,
-        )
-    return answers
-
-
-def _write_all(channel: Channel, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = channel.write(bytes(view))
-        view = view[n:]
-
-
-def residency(mnt: str, rel_paths: Sequence[bytes]) -> list[str]:
-    """`query_residency` against the live mount at `mnt`, with its errors as QuietError."""
-    path = control_dir(mnt) / "residency"
-    try:
-        with FileChannel(path) as channel:
-            return query_residency(channel, rel_paths)
-    except FileNotFoundError:
-        raise QuietError(
-            f"the daemon of {mnt} has no residency file (it predates --check)", EXIT_NOT_SHADEFS
-        ) from None
-    except OSError as exc:
-        raise QuietError(f"asking {mnt} for residency: {exc.strerror}", EXIT_NOT_SHADEFS) from None
-
-
-@dataclass
-class Report:
-    """Counts and bytes per residency status (`ram`, `ssd`, `none`, `missing`, ...)."""
-
-    files: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, status: str, size: int) -> None:
-        self.files[status] = self.files.get(status, 0) + 1
-        self.bytes[status] = self.bytes.get(status, 0) + max(size, 0)
-
-    @property
-    def total_files(self) -> int:
-        return sum(self.files.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def cached_fraction(self) -> tuple[float, float]:
-        """(files, bytes) held in any tier, as fractions of all files and bytes asked about."""
-        f = sum(self.files.get(t, 0) for t in CACHED)
-        b = sum(self.bytes.get(t, 0) for t in CACHED)
-        return (
-            f / self.total_files if self.total_files else 0.0,
-            b / self.total_bytes if self.total_bytes else 0.0,
-        )
-
-    def as_dict(self) -> dict[str, object]:
-        files_frac, bytes_frac = self.cached_fraction()
-        statuses = sorted(set(self.files) | {"ram", "ssd", "none", "missing"})
-        return {
-            "files": self.total_files,
-            "bytes": self.total_bytes,
-            "tiers": {
-                s: {"files": self.files.get(s, 0), "bytes": self.bytes.get(s, 0)} for s in statuses
-            },
-            "cached_files_fraction": round(files_frac, 6),
-            "cached_bytes_fraction": round(bytes_frac, 6),
-        }
-
-    def text(self) -> str:
-        tf, tb = self.total_files, self.total_bytes
-
-        def pct(n: int, of: int) -> str:
-            return f"{100 * n / of:.1f}%" if of else "0.0%"
-
-        extra = sorted(set(self.files) - {"ram", "ssd", "none", "missing"})
-        tiers = [*CACHED, *extra]
-        files = ", ".join(
-            f"{t} {self.files.get(t, 0)} ({pct(self.files.get(t, 0), tf)})" for t in tiers
-        )
-        sizes = ", ".join(
-            f"{t} {format_size(self.bytes.get(t, 0))} ({pct(self.bytes.get(t, 0), tb)})"
-            for t in tiers
-        )
-        files_frac, bytes_frac = self.cached_fraction()
-        return (
-            f"{tf} files, {format_size(tb)}: {files}, not cached {self.files.get('none', 0)}, "
-            f"missing {self.files.get('missing', 0)}\n"
-            f"bytes: {sizes}, not cached {format_size(self.bytes.get('none', 0))}\n"
-            f"cached: {100 * files_frac:.1f}% of files, {100 * bytes_frac:.1f}% of bytes\n"
-        )
-
-
-def check(mnt: str, files: Sequence[tuple[str, int]], channel: Channel | None = None) -> Report:
-    """Residency of `files` ((absolute path under mnt, size)); `channel` for tests."""
-    mnt = os.path.abspath(mnt)
-    rels = [os.fsencode(os.path.relpath(p, mnt)) for p, _ in files]
-    # A name with a newline cannot be asked about in a line protocol: report it as unknown.
-    ok = [i for i, r in enumerate(rels) if b"\n" not in r]
-    query = (rels[i] for i in ok)
-    answers = query_residency(channel, query) if channel else residency(mnt, list(query))
-    report = Report()
-    status = dict(zip(ok, answers, strict=True))
-    for i, (_, size) in enumerate(files):
-        report.add(status.get(i, "unknown"), size)
-    return report
-
-
-def _run_check(mnt: str, selection: Selection, as_json: bool) -> int:
-    report = check(mnt, selection.files)
-    for path, why in selection.errors[:MAX_LISTED]:
-        print(f"shadefs: cannot list {path}: {why}", file=sys.stderr)
-    if as_json:
-        d = report.as_dict()
-        d["errors"] = [{"path": p, "error": e} for p, e in selection.errors[:MAX_LISTED]]
-        print(json.dumps(d))
-    else:
-        sys.stdout.write(report.text())
-    missing = report.files.get("missing", 0) + len(selection.errors)
-    return EXIT_UNREADABLE if missing else EXIT_OK

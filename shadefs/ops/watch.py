@@ -20,7 +20,8 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-from shadefs.common import EXIT_OK, QuietError, format_size, read_stats
+from shadefs.common import EXIT_OK, QuietError, format_size
+from shadefs.torch.client import read_stats
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,23 @@
-"""The PyTorch side: `ShadeSampler`.
+"""The PyTorch side: `ShadeSampler`, and the control-file client it shares with the CLI.
 
-Importing this package does not import torch: `ShadeSampler` and its helpers are loaded on
-first use, so that the control-file client in this package serves the CLI without torch.
+Importing this package does not import torch: `ShadeSampler` is loaded on first use, so that
+`shadefs.torch.client` (no torch) serves the command line where torch is not installed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ShadeSampler", "find_mount"]
+__all__ = ["ControlClient", "ShadeSampler", "find_mount"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name == "ShadeSampler":
         from shadefs.torch import sampler
 
-        return getattr(sampler, name)
+        return sampler.ShadeSampler
+    if name in __all__:
+        from shadefs.torch import client
+
+        return getattr(client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

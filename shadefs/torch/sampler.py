@@ -38,7 +38,6 @@ DistributedSampler) and an equal batch size give.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -52,115 +51,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from shadefs.sampling import wire
+from shadefs.torch.client import CONTROL_DIR, ControlClient, find_mount
 
 log = logging.getLogger(__name__)
-
-CONTROL_DIR = ".shadefs"
-
-
-class _Channel:
-    """File I/O on one mount's control directory; the only place the sampler does I/O.
-
-    Tests replace it with a fake that records the messages.
-    """
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.dir = os.path.join(root, CONTROL_DIR)
-
-    def ctl(self, text: str) -> None:
-        self._write("ctl", text.encode())
-
-    def register(self, message: bytes) -> None:
-        self._write("dataset", message)
-
-    def send_losses(self, message: bytes) -> None:
-        self._write("losses", message)
-
-    def order(self, request: bytes) -> bytes:
-        """Write an order request and read the response to EOF on the same descriptor."""
-        path = os.path.join(self.dir, "order")
-        fd = self._open(path, os.O_RDWR)
-        try:
-            self._write_all(fd, path, request)
-            # The response is served from offset 0 and the write moved the file offset past
-            # the request, so rewind before reading (reading on would skip its first bytes).
-            os.lseek(fd, 0, os.SEEK_SET)
-            chunks = []
-            while True:
-                try:
-                    chunk = os.read(fd, 1 << 20)
-                except OSError as exc:
-                    raise self._error(path, exc) from None
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def read_text(self, name: str) -> str:
-        with open(os.path.join(self.dir, name), "rb") as f:
-            return f.read().decode(errors="replace")
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _write(self, name: str, data: bytes) -> None:
-        path = os.path.join(self.dir, name)
-        fd = self._open(path, os.O_WRONLY)
-        try:
-            self._write_all(fd, path, data)
-        finally:
-            os.close(fd)
-
-    def _open(self, path: str, flags: int) -> int:
-        try:
-            return os.open(path, flags)
-        except FileNotFoundError:
-            raise RuntimeError(
-                f"{path} does not exist: this shadefs daemon has no sampler channel "
-                "(upgrade shadefs, or the directory is not a shadefs mount)"
-            ) from None
-        except OSError as exc:
-            raise self._error(path, exc) from None
-
-    def _write_all(self, fd: int, path: str, data: bytes) -> None:
-        # The kernel may split a large write, and os.write may return short: loop.
-        view = memoryview(data)
-        while view:
-            try:
-                done = os.write(fd, view)
-            except OSError as exc:
-                raise self._error(path, exc) from None
-            view = view[done:]
-
-    def _error(self, path: str, exc: OSError) -> RuntimeError:
-        if exc.errno == errno.EINVAL:
-            return RuntimeError(f"shadefs rejected a write to {path}: {self.last_message()}")
-        return RuntimeError(f"{path}: {os.strerror(exc.errno or 0)} ({exc})")
-
-    def last_message(self) -> str:
-        """The daemon's account of the last control write (last line of ``ctl``)."""
-        try:
-            lines = [ln for ln in self.read_text("ctl").splitlines() if ln.strip()]
-        except OSError as exc:
-            return f"(could not read {os.path.join(self.dir, 'ctl')}: {exc})"
-        return lines[-1] if lines else "(ctl is empty)"
-
-
-def find_mount(path: str) -> str | None:
-    """The shadefs mount root above ``path`` (the first directory with ``.shadefs/ctl``)."""
-    d = os.path.abspath(path)
-    if not os.path.isdir(d):
-        d = os.path.dirname(d)
-    while True:
-        # The control directory is hidden from listings but found by lookup.
-        if os.path.exists(os.path.join(d, CONTROL_DIR, "ctl")):
-            return d
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
 
 
 def _sample_paths(dataset: Any) -> list[str]:
@@ -256,7 +149,7 @@ class ShadeSampler(Sampler[int]):
                 )
         self.mountpoint = os.path.abspath(os.fspath(mountpoint))
         relative = _relative_paths(paths, self.mountpoint)
-        self._channel = _Channel(self.mountpoint)
+        self._client = ControlClient(self.mountpoint)
 
         self.epoch = 0
         self._epoch_set = False  # set_epoch since the last __iter__?
@@ -274,8 +167,8 @@ class ShadeSampler(Sampler[int]):
         # its daemon ingest every batch (and every report) once per rank.
         self._sender = self._elect_sender()
         if self._sender:
-            self._channel.register(wire.encode_dataset(relative))
-            self._channel.ctl("replay auto" if replay is None else f"replay {replay:g}")
+            self._client.register(wire.encode_dataset(relative))
+            self._client.ctl("replay auto" if replay is None else f"replay {replay:g}")
         if self._distributed:
             dist.barrier()  # nobody asks for an order before the table exists
         log.debug(
@@ -322,7 +215,7 @@ class ShadeSampler(Sampler[int]):
         self.epoch = int(epoch)
         self._epoch_set = True
         if self._sender:
-            self._channel.ctl(f"epoch {self.epoch}")
+            self._client.ctl(f"epoch {self.epoch}")
 
     # -- losses --------------------------------------------------------------------------------
 
@@ -393,7 +286,7 @@ class ShadeSampler(Sampler[int]):
         loss = np.concatenate([p[1] for p in parts])
         lengths = np.concatenate([p[2] for p in parts])
         for message in _loss_messages(idx, loss, lengths):
-            self._channel.send_losses(message)
+            self._client.send_losses(message)
             self.messages_sent += 1
 
     def report(self, train_loss: float | None = None, val_accuracy: float | None = None) -> None:
@@ -404,11 +297,11 @@ class ShadeSampler(Sampler[int]):
         adapts the replay factor the same way.
         """
         self.flush()
-        values = (train_loss, val_accuracy)
+        values: tuple[float | None, float | None] = (train_loss, val_accuracy)
         if self._distributed:
             gathered: list[Any] = [None] * self.num_replicas
             dist.all_gather_object(gathered, values)
-            values = tuple(_mean([g[i] for g in gathered]) for i in range(2))
+            values = (_mean([g[0] for g in gathered]), _mean([g[1] for g in gathered]))
         if not self._sender:
             return
         words = [f"report epoch={self.epoch}"]
@@ -418,7 +311,7 @@ class ShadeSampler(Sampler[int]):
                     log.warning("not reporting non-finite %s", name)
                     continue
                 words.append(f"{name}={float(value):.6g}")
-        self._channel.ctl(" ".join(words))
+        self._client.ctl(" ".join(words))
 
     def close(self) -> None:
         """Flush what is buffered.  Collective when distributed."""
@@ -453,7 +346,7 @@ class ShadeSampler(Sampler[int]):
 
     def _fetch_order(self, epoch: int, rank: int, world: int) -> np.ndarray:
         request = wire.encode_order_request(epoch, rank, world, self.seed)
-        raw = self._channel.order(request)
+        raw = self._client.order(request)
         try:
             got_epoch, indices = wire.decode_order_response(raw, self.num_samples)
         except wire.WireError as exc:
