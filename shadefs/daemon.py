@@ -30,7 +30,7 @@ from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions, check_environment
 from shadefs.sampling.registry import Sampling
 from shadefs.source import Source
-from shadefs.stats import Metrics, snapshot
+from shadefs.stats import Metrics, Stats, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +163,16 @@ def build(opts: MountOptions) -> tuple[Operations, dict[str, object]]:
     )
     mnt = os.path.abspath(opts.mountpoint)
 
-    def stats() -> dict[str, object]:
-        s = snapshot(metrics, cache, ns, source, mnt)
-        s["sampler"] = sampling.describe()
-        if prefetcher is not None:
-            s["prefetch"] = prefetcher.describe()
-        return s
+    def stats() -> Stats:
+        return snapshot(
+            mnt,
+            metrics,
+            source=source,
+            namespace=ns,
+            cache=cache,
+            sampling=sampling,
+            prefetcher=prefetcher,
+        )
 
     control = Control(cache, metrics, ns, sampling, stats, prefetcher=prefetcher)
     ops = Operations(ns, cache, control, metrics, source)
@@ -248,13 +252,13 @@ async def _serve(
 
 
 def _start_metrics(
-    addr: str, stats: Callable[[], dict[str, object]], token: list[trio.lowlevel.TrioToken]
+    addr: str, stats: Callable[[], Stats], token: list[trio.lowlevel.TrioToken]
 ) -> None:
     """Prometheus over HTTP. Scrapes arrive on the server's thread; the stats are computed
     in the trio thread, where the state they read is consistent."""
     from shadefs.ops.prom import start_server
 
-    def threadsafe() -> dict[str, object]:
+    def threadsafe() -> Stats:
         if not token:
             raise RuntimeError("the daemon is still starting")
         return trio.from_thread.run_sync(stats, trio_token=token[0])

@@ -26,6 +26,8 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
+from shadefs.stats import SourceStats
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -58,6 +60,15 @@ class Source:
 
     def path(self, rel: bytes) -> bytes:
         return self.root + b"/" + rel if rel else self.root
+
+    def describe(self) -> SourceStats:
+        return SourceStats(
+            root=os.fsdecode(self.root),
+            bytes_read=self.bytes_read,
+            healthy=self.healthy,
+            timeouts=self.timeouts,
+            errors=self.errors,
+        )
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run fn(*args) in a worker thread; OSError -> FUSEError, timeout -> EIO."""

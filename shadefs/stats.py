@@ -1,37 +1,44 @@
-"""Counters of the data path and their text, JSON-ready and Prometheus forms.
+"""The stats schema: counters of the data path, each part's typed state, and their forms.
 
-The hot path only increments plain int attributes (no locks: everything runs in the trio
-thread). `snapshot()` assembles the stats that the control directory and the CLI show.
+This module owns the one typed description of what the daemon reports. Each part describes
+its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier, the
+`SsdStats` with its restore and the policies' `PolicyState`, `PrefetchStats`,
+`SamplerStats`); `snapshot()` assembles them into one `Stats`. Every consumer reads that:
+`Stats.to_json()` is the `stats.json` document (its keys are stable: scripts depend on
+them), `render_text()` the human `stats` file, `shadefs.ops.prom` the Prometheus text and
+`shadefs.ops.watch` the live view (it parses stats.json back with `Stats.from_json()`).
+
+This module imports no part: the parts import it for their dataclasses, and `snapshot()`
+takes them as `Part` protocols, so the data flows one way.
+
+The hot path only increments plain int attributes of `Metrics` (no locks: everything runs
+in the trio thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from shadefs.common import format_size
 
 if TYPE_CHECKING:
-    from shadefs.cache.coordinator import Cache
-    from shadefs.fs.namespace import Namespace
-    from shadefs.source import Source
+    from _typeshed import DataclassInstance
 
 log = logging.getLogger(__name__)
+
+VERSION = 1  # of the stats.json document
 
 
 class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
-    __slots__ = (
-        "hits",
-        "misses",
-        "bytes_served",
-        "passthrough_opens",
-        "control_errors",
-        "started",
-    )
+    __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started")
 
     def __init__(self) -> None:
         self.hits = 0
@@ -41,90 +48,394 @@ class Metrics:
         self.control_errors = 0
         self.started = time.time()
 
+    def describe(self) -> Counters:
+        return Counters(
+            hits=self.hits,
+            misses=self.misses,
+            bytes_served=self.bytes_served,
+            passthrough_opens=self.passthrough_opens,
+            control_errors=self.control_errors,
+        )
+
+
+# --- the sections, one per part -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """`Metrics` at one instant. JSON: top-level fields of the same names."""
+
+    hits: int
+    misses: int
+    bytes_served: int
+    passthrough_opens: int
+    control_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStats:
+    """The source tree. JSON: `source`, `bytes_from_source`, `source_<field>`."""
+
+    root: str
+    bytes_read: int
+    healthy: bool
+    timeouts: int
+    errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    """Inodes and listings. JSON: top-level fields of the same names."""
+
+    revalidations: int
+    changed_files: int
+    inodes_known: int
+    directories_listed: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """A policy's state. JSON: `policy_state`, `tiers.ssd.policy` (without None fields)."""
+
+    name: str
+    entries: int
+    epoch: int | None = None  # epoch: the epoch it is in
+    epoch_source: str | None = None  # epoch: "sampler" or "inferred"
+    min_score: float | None = None  # shade: the lowest and highest resident importance
+    max_score: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in _dump(self).items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class RamStats:
+    """The RAM tier. JSON: `tiers.ram` (and `ram_bytes`, `ram_capacity`)."""
+
+    bytes: int
+    capacity: int
+    entries: int
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    """The SSD tier's restore after a restart. JSON: `restore`."""
+
+    done: bool
+    entries: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SsdStats:
+    """The SSD tier. JSON: `tiers.ssd` without `restore` (top-level), and `ssd_<field>`."""
+
+    bytes: int  # on disk, headers and block rounding included
+    data_bytes: int
+    capacity: int
+    entries: int
+    hits: int
+    writes: int
+    write_failures: int
+    dropped_writes: int
+    queued_writes: int
+    evictions: int
+    corrupt_entries: int
+    stale_entries: int
+    disk_free: int
+    min_free: int
+    policy: PolicyState
+    restore: RestoreStats
+
+    def to_json(self) -> dict[str, Any]:
+        d = _dump(self)
+        del d["restore"]
+        d["policy"] = self.policy.to_json()
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The cache: its tiers, admissions and RAM policy. JSON: `tiers`, `policy(_state)`,
+    `ram_max_entry` and top-level fields of the same names."""
+
+    ram: RamStats
+    max_entry: int
+    admitted: int
+    evictions: int
+    refused: int
+    fetches_shared: int
+    blocked_seconds: float  # that opens spent waiting for the source
+    policy: PolicyState
+    ssd: SsdStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStats:
+    """The prefetcher. JSON: `prefetch`."""
+
+    plans: int
+    plan_positions: dict[str, tuple[int, int]]  # plan name -> (cursor, length)
+    fetched: int
+    fetched_bytes: int
+    served: int
+    wasted: int
+    errors: int
+    skipped: int
+    staged: int
+    staged_bytes: int
+    inflight: int
+    workers_target: int
+    latency_ms: float
+    window: int
+    plans_done: int
+    plans_abandoned: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = _dump(self)
+        d["plan_positions"] = {n: list(p) for n, p in self.plan_positions.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PrefetchStats:
+        pos = {str(n): (int(p[0]), int(p[1])) for n, p in d["plan_positions"].items()}
+        return _load(cls, d, plan_positions=pos)
+
+
+@dataclass(frozen=True, slots=True)
+class TableStats:
+    """The importance table. JSON: `sampler.table`."""
+
+    samples: int
+    scored: int
+    scored_fraction: float
+    mean_score: float | None
+    mean_score_scored: float | None  # None while no sample has a loss
+    max_seen: int
+    ingested_samples: int
+    ingested_batches: int
+    version: int
+    smoothing: float
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerStats:
+    """The sampling registry. JSON: `sampler` (`table` is {} before a registration)."""
+
+    samples: int
+    epoch: int
+    replay: float
+    replay_mode: str  # "auto" or "fixed"
+    orders_served: int
+    losses_ingested: int
+    reports: int
+    last_report: dict[str, float]
+    table: TableStats | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = _dump(self)
+        d["table"] = _dump(self.table) if self.table is not None else {}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SamplerStats:
+        table = _load(TableStats, d["table"]) if d["table"] else None
+        return _load(cls, d, last_report=dict(d["last_report"]), table=table)
+
+
+# --- the whole --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Everything the daemon reports at one instant."""
+
+    version: int
+    pid: int
+    mountpoint: str
+    uptime_s: float
+    counters: Counters
+    source: SourceStats
+    namespace: NamespaceStats
+    cache: CacheStats
+    sampler: SamplerStats
+    prefetch: PrefetchStats | None = None
+
+    @property
+    def opens(self) -> int:
+        return self.counters.hits + self.counters.misses
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.counters.hits / self.opens if self.opens else 0.0
+
+    @property
+    def files_cached(self) -> int:
+        ssd = self.cache.ssd
+        return self.cache.ram.entries + (ssd.entries if ssd is not None else 0)
+
+    def to_json(self) -> dict[str, Any]:
+        """The `stats.json` document (its keys are documented in the README)."""
+        c, src, cache = self.counters, self.source, self.cache
+        out: dict[str, Any] = {
+            "version": self.version,
+            "pid": self.pid,
+            "mountpoint": self.mountpoint,
+            "source": src.root,
+            "uptime_s": self.uptime_s,
+            "policy": cache.policy.name,
+            "policy_state": cache.policy.to_json(),
+            **_dump(c),
+            "hit_ratio": self.hit_ratio,
+            "bytes_from_source": src.bytes_read,
+            "ram_bytes": cache.ram.bytes,
+            "ram_capacity": cache.ram.capacity,
+            "ram_max_entry": cache.max_entry,
+            "files_cached": self.files_cached,
+            "tiers": {"ram": _dump(cache.ram)},
+            "admitted": cache.admitted,
+            "evictions": cache.evictions,
+            "refused": cache.refused,
+            "fetches_shared": cache.fetches_shared,
+            "blocked_seconds": cache.blocked_seconds,
+            **_dump(self.namespace),
+            "source_healthy": src.healthy,
+            "source_timeouts": src.timeouts,
+            "source_errors": src.errors,
+            "sampler": self.sampler.to_json(),
+        }
+        if cache.ssd is not None:
+            ssd = cache.ssd
+            out["tiers"]["ssd"] = ssd.to_json()
+            out["ssd_bytes"] = ssd.bytes
+            out["ssd_capacity"] = ssd.capacity
+            out["ssd_hits"] = ssd.hits
+            out["ssd_entries"] = ssd.entries
+            out["corrupt_entries"] = ssd.corrupt_entries
+            out["restore"] = _dump(ssd.restore)
+        if self.prefetch is not None:
+            out["prefetch"] = self.prefetch.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Stats:
+        """The inverse of `to_json`; KeyError or TypeError when `d` is not such a document."""
+        tiers = d["tiers"]
+        ssd = None
+        if "ssd" in tiers:
+            t = tiers["ssd"]
+            restore = _load(RestoreStats, d["restore"])
+            ssd = _load(SsdStats, t, policy=_load(PolicyState, t["policy"]), restore=restore)
+        cache = _load(
+            CacheStats,
+            d,
+            ram=_load(RamStats, tiers["ram"]),
+            max_entry=d["ram_max_entry"],
+            policy=_load(PolicyState, d["policy_state"]),
+            ssd=ssd,
+        )
+        source = SourceStats(
+            root=d["source"],
+            bytes_read=d["bytes_from_source"],
+            healthy=d["source_healthy"],
+            timeouts=d["source_timeouts"],
+            errors=d["source_errors"],
+        )
+        return _load(
+            cls,
+            d,
+            counters=_load(Counters, d),
+            source=source,
+            namespace=_load(NamespaceStats, d),
+            cache=cache,
+            sampler=SamplerStats.from_json(d["sampler"]),
+            prefetch=PrefetchStats.from_json(d["prefetch"]) if "prefetch" in d else None,
+        )
+
+
+_T = TypeVar("_T", bound="DataclassInstance")
+_S_co = TypeVar("_S_co", covariant=True)
+
+
+def _dump(obj: DataclassInstance) -> dict[str, Any]:
+    """The fields of `obj` as a mapping, one level deep (nested sections are the caller's)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _load(cls: type[_T], d: Mapping[str, Any], **given: Any) -> _T:
+    """An instance of `cls` from the same-named keys of `d`; `given` fields win."""
+    args = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in args:
+            continue
+        if f.name in d:
+            args[f.name] = d[f.name]
+        elif f.default is dataclasses.MISSING:
+            raise KeyError(f"{cls.__name__}.{f.name}")
+    return cls(**args)
+
+
+# --- assembly -------------------------------------------------------------------------------
+
+
+class Part(Protocol[_S_co]):
+    """Anything that describes its state as one section of the schema."""
+
+    def describe(self) -> _S_co: ...
+
 
 def snapshot(
-    metrics: Metrics, cache: Cache, ns: Namespace, source: Source, mountpoint: str
-) -> dict[str, object]:
-    """Everything `stats.json` reports, as one flat-ish dict (documented in the README)."""
-    opens = metrics.hits + metrics.misses
-    out: dict[str, object] = {
-        "version": 1,
-        "pid": os.getpid(),
-        "mountpoint": mountpoint,
-        "source": os.fsdecode(source.root),
-        "uptime_s": round(time.time() - metrics.started, 3),
-        "policy": cache.policy.name,
-        "policy_state": cache.policy.describe(),
-        "hits": metrics.hits,
-        "misses": metrics.misses,
-        "hit_ratio": metrics.hits / opens if opens else 0.0,
-        "bytes_served": metrics.bytes_served,
-        "bytes_from_source": source.bytes_read,
-        "ram_bytes": cache.used,
-        "ram_capacity": cache.capacity,
-        "ram_max_entry": cache.max_entry,
-        "files_cached": len(cache.entries) + (len(cache.ssd.index) if cache.ssd else 0),
-        "tiers": cache.describe(),
-        "admitted": cache.admitted,
-        "evictions": cache.evictions,
-        "refused": cache.refused,
-        "passthrough_opens": metrics.passthrough_opens,
-        "fetches_shared": cache.shared_fetches,
-        "blocked_seconds": round(cache.blocked, 6),
-        "revalidations": ns.revalidations,
-        "changed_files": ns.changed_files,
-        "inodes_known": len(ns.nodes),
-        "directories_listed": len(ns.listings),
-        "source_healthy": source.healthy,
-        "source_timeouts": source.timeouts,
-        "source_errors": source.errors,
-        "control_errors": metrics.control_errors,
-    }
-    if cache.ssd is not None:
-        ssd = cache.ssd
-        out["ssd_bytes"] = ssd.store.disk_bytes
-        out["ssd_capacity"] = ssd.capacity
-        out["ssd_hits"] = ssd.hits
-        out["ssd_entries"] = len(ssd.index)
-        out["corrupt_entries"] = ssd.store.corrupt_entries
-        out["restore"] = {
-            "done": ssd.restore_done,
-            "entries": ssd.restore_entries,
-            "seconds": round(ssd.restore_seconds, 3),
-        }
-    return out
+    mountpoint: str,
+    metrics: Metrics,
+    *,
+    source: Part[SourceStats],
+    namespace: Part[NamespaceStats],
+    cache: Part[CacheStats],
+    sampling: Part[SamplerStats],
+    prefetcher: Part[PrefetchStats] | None = None,
+) -> Stats:
+    """The stats of the daemon now, from each part's `describe()`."""
+    return Stats(
+        version=VERSION,
+        pid=os.getpid(),
+        mountpoint=mountpoint,
+        uptime_s=round(time.time() - metrics.started, 3),
+        counters=metrics.describe(),
+        source=source.describe(),
+        namespace=namespace.describe(),
+        cache=cache.describe(),
+        sampler=sampling.describe(),
+        prefetch=prefetcher.describe() if prefetcher is not None else None,
+    )
 
 
-def render_text(s: dict[str, object]) -> str:
+def render_text(s: Stats) -> str:
     """The human-readable `stats` file."""
+    c, cache, src, ns = s.counters, s.cache, s.source, s.namespace
+    state = s.cache.policy.to_json()
     lines = [
-        f"shadefs {s['source']} -> {s['mountpoint']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)",
-        f"policy        {s['policy']}  {_state(s['policy_state'])}",
-        f"opens         {s['hits'] + s['misses']}  hits {s['hits']}  misses {s['misses']}  "
-        f"hit ratio {s['hit_ratio']:.3f}",
-        f"ram           {format_size(s['ram_bytes'])} of {format_size(s['ram_capacity'])} "
-        f"in {s['files_cached']} files (max entry {format_size(s['ram_max_entry'])})",
-        f"admissions    admitted {s['admitted']}  refused {s['refused']}  "
-        f"evicted {s['evictions']}  shared fetches {s['fetches_shared']}",
-        f"bytes         served {format_size(s['bytes_served'])}  "
-        f"from source {format_size(s['bytes_from_source'])}",
-        f"source        {'healthy' if s['source_healthy'] else 'NOT ANSWERING'}  "
-        f"timeouts {s['source_timeouts']}  errors {s['source_errors']}",
-        f"namespace     {s['inodes_known']} inodes known, {s['directories_listed']} dirs listed",
+        f"shadefs {src.root} -> {s.mountpoint} (pid {s.pid}, up {s.uptime_s:.0f} s)",
+        f"policy        {cache.policy.name}  "
+        + " ".join(f"{k}={v}" for k, v in state.items() if k != "name"),
+        f"opens         {s.opens}  hits {c.hits}  misses {c.misses}  hit ratio {s.hit_ratio:.3f}",
+        f"ram           {format_size(cache.ram.bytes)} of {format_size(cache.ram.capacity)} "
+        f"in {s.files_cached} files (max entry {format_size(cache.max_entry)})",
+        f"admissions    admitted {cache.admitted}  refused {cache.refused}  "
+        f"evicted {cache.evictions}  shared fetches {cache.fetches_shared}",
+        f"bytes         served {format_size(c.bytes_served)}  "
+        f"from source {format_size(src.bytes_read)}",
+        f"source        {'healthy' if src.healthy else 'NOT ANSWERING'}  "
+        f"timeouts {src.timeouts}  errors {src.errors}",
+        f"namespace     {ns.inodes_known} inodes known, {ns.directories_listed} dirs listed",
     ]
-    if "ssd_bytes" in s:
-        r = s["restore"]
+    if cache.ssd is not None:
+        ssd, r = cache.ssd, cache.ssd.restore
         lines.insert(
             4,
-            f"ssd           {format_size(s['ssd_bytes'])} of {format_size(s['ssd_capacity'])} "
-            f"in {s['ssd_entries']} files, {s['ssd_hits']} hits, "
-            f"{s['corrupt_entries']} corrupt entries, restore "
-            f"{'done' if r['done'] else 'running'} ({r['entries']} entries)",
+            f"ssd           {format_size(ssd.bytes)} of {format_size(ssd.capacity)} "
+            f"in {ssd.entries} files, {ssd.hits} hits, "
+            f"{ssd.corrupt_entries} corrupt entries, restore "
+            f"{'done' if r.done else 'running'} ({r.entries} entries)",
         )
     return "\n".join(lines) + "\n"
-
-
-def _state(d: object) -> str:
-    if not isinstance(d, dict):
-        return ""
-    return " ".join(f"{k}={v}" for k, v in d.items() if k != "name")

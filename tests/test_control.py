@@ -80,8 +80,7 @@ async def test_register_losses_and_order(tmp_path: Path) -> None:
     resident = {sampling.sample_of(k) for k in parts["cache"].entries}
     assert resident and any((both == r).sum() > 1 for r in resident)  # replays are visible
     assert sampling.orders_served == 2
-    stats = parts["control"].stats()
-    assert stats["sampler"]["samples"] == 40
+    assert parts["control"].stats().sampler.samples == 40
 
 
 async def test_order_reads_straight_on_after_the_request(tmp_path: Path) -> None:

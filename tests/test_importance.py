@@ -130,12 +130,13 @@ def test_top_is_deterministic_with_ties() -> None:
     assert len(table.top(0)) == 0
 
 
-def test_stats_are_json_ready() -> None:
+def test_the_summary_is_json_ready() -> None:
+    import dataclasses
     import json
 
     table = ImportanceTable(100)
     table.ingest(np.arange(10), np.arange(10, dtype=np.float32), _u32(10))
-    stats = json.loads(json.dumps(table.stats()))
+    stats = json.loads(json.dumps(dataclasses.asdict(table.describe())))
     assert stats["scored"] == 10
     assert stats["samples"] == 100
     assert stats["mean_score_scored"] == pytest.approx(0.5)

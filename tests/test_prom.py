@@ -1,8 +1,7 @@
-"""Prometheus exposition: names, values, tolerance of missing sections, the HTTP endpoint."""
+"""Prometheus exposition: names, values, absent sections, the schema paths, the HTTP endpoint."""
 
 from __future__ import annotations
 
-import math
 import threading
 import urllib.request
 from pathlib import Path
@@ -11,53 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shadefs.ops import prom
+from shadefs.stats import Stats
 from tests.conftest import make_tree
-
-FULL = {
-    "version": 1,
-    "pid": 4242,
-    "mountpoint": "/mnt/shade",
-    "source": "/mnt/nfs",
-    "uptime_s": 12.5,
-    "policy": "epoch",
-    "policy_state": {"name": "epoch", "entries": 3, "epoch": 2, "epoch_source": "inferred"},
-    "hits": 30,
-    "misses": 10,
-    "hit_ratio": 0.75,
-    "bytes_served": 123456,
-    "bytes_from_source": 65432,
-    "ram_bytes": 1000,
-    "ram_capacity": 4096,
-    "ram_max_entry": 512,
-    "files_cached": 3,
-    "admitted": 10,
-    "evictions": 7,
-    "refused": 1,
-    "passthrough_opens": 2,
-    "fetches_shared": 4,
-    "inodes_known": 50,
-    "directories_listed": 5,
-    "source_healthy": False,
-    "source_timeouts": 3,
-    "source_errors": 1,
-    "corrupt_entries": 2,
-    "control_errors": 0,
-    "brand_new_counter": 17,
-    "a_string": "ignored",
-    "tiers": {
-        "ram": {"hits": 20, "bytes": 1000, "capacity": 4096, "entries": 3},
-        "ssd": {"hits": 10, "bytes": 9000, "capacity": 90000, "entries": 8, "evictions": 1},
-    },
-    "source_latency": {
-        "buckets": {"0.1": 9, "0.001": 2, "0.01": 6, "+Inf": 10},
-        "sum": 0.42,
-        "count": 10,
-    },
-    "prefetch": {"queued": 5, "inflight": 2, "fetched": 40, "bytes": 4000, "wasted": 1},
-    "restore": {"done": True, "entries": 8},
-    "sampler": {"samples": 100, "epoch": 3, "replay": 2.5, "orders_served": 6, "table": {}},
-    "jobs": {"train-a": {"hits": 12, "misses": 3}, "4711": {"hits": 18, "misses": 7}},
-}
+from tests.sample_stats import full, minimal, numeric_leaves, schema_type, with_counters
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -73,8 +28,8 @@ def families(text: bytes) -> dict[str, str]:
     return {f.name: f.type for f in text_string_to_metric_families(text.decode())}
 
 
-def test_top_level_counters_and_gauges_agree_with_the_dict() -> None:
-    s = samples(prom.render(FULL))
+def test_mount_wide_counters_and_gauges_agree_with_the_stats() -> None:
+    s = samples(prom.render(full()))
     assert s[("shadefs_hits_total", ())] == 30
     assert s[("shadefs_misses_total", ())] == 10
     assert s[("shadefs_bytes_served_total", ())] == 123456
@@ -82,91 +37,92 @@ def test_top_level_counters_and_gauges_agree_with_the_dict() -> None:
     assert s[("shadefs_evictions_total", ())] == 7
     assert s[("shadefs_source_timeouts_total", ())] == 3
     assert s[("shadefs_corrupt_entries_total", ())] == 2
+    assert s[("shadefs_blocked_seconds_total", ())] == 0.125
     assert s[("shadefs_ram_bytes", ())] == 1000
     assert s[("shadefs_ram_capacity_bytes", ())] == 4096
-    assert s[("shadefs_files_cached", ())] == 3
+    assert s[("shadefs_files_cached", ())] == 3 + 8  # RAM and SSD entries
     assert s[("shadefs_hit_ratio", ())] == 0.75
     assert s[("shadefs_source_healthy", ())] == 0
     assert s[("shadefs_uptime_seconds", ())] == 12.5
     assert s[("shadefs_policy_epoch", ())] == 2
+    assert s[("shadefs_policy_max_score", ())] == 0.9
     assert s[("shadefs_up", ())] == 1
-    info = (("mountpoint", "/mnt/shade"), ("policy", "epoch"), ("source", "/mnt/nfs"))
+    info = (("mountpoint", "/mnt/shade"), ("policy", "shade"), ("source", "/mnt/nfs"))
     assert s[("shadefs_info", info)] == 1
-    types = families(prom.render(FULL))
+    types = families(prom.render(full()))
     assert types["shadefs_hits"] == "counter"  # the parser strips _total from family names
     assert types["shadefs_ram_bytes"] == "gauge"
+    names = {name for name, _ in s}
+    assert not any("pid" in n or n == "shadefs_version" for n in names)
 
 
-def test_sections_become_labelled_families_and_a_histogram() -> None:
-    text = prom.render(FULL)
-    s = samples(text)
+def test_sections_become_labelled_and_prefixed_families() -> None:
+    s = samples(prom.render(full()))
     assert s[("shadefs_tier_hits_total", (("tier", "ram"),))] == 20
     assert s[("shadefs_tier_hits_total", (("tier", "ssd"),))] == 10
     assert s[("shadefs_tier_capacity_bytes", (("tier", "ssd"),))] == 90000
     assert s[("shadefs_tier_entries", (("tier", "ram"),))] == 3
     assert s[("shadefs_tier_evictions_total", (("tier", "ssd"),))] == 1
-    assert s[("shadefs_job_hits_total", (("job", "train-a"),))] == 12
-    assert s[("shadefs_job_misses_total", (("job", "4711"),))] == 7
+    assert s[("shadefs_tier_queued_writes", (("tier", "ssd"),))] == 3
     assert s[("shadefs_prefetch_fetched_total", ())] == 40
-    assert s[("shadefs_prefetch_queued", ())] == 5
+    assert s[("shadefs_prefetch_served_total", ())] == 30
+    assert s[("shadefs_prefetch_staged", ())] == 5
     assert s[("shadefs_restore_done", ())] == 1
     assert s[("shadefs_restore_entries", ())] == 8
     assert s[("shadefs_sampler_replay", ())] == 2.5
     assert s[("shadefs_sampler_orders_served_total", ())] == 6
-    buckets = {
-        dict(labels)["le"]: v
-        for (name, labels), v in s.items()
-        if name == "shadefs_source_latency_seconds_bucket"
-    }
-    assert buckets == {"0.001": 2, "0.01": 6, "0.1": 9, "+Inf": 10}
-    assert s[("shadefs_source_latency_seconds_count", ())] == 10
-    assert math.isclose(s[("shadefs_source_latency_seconds_sum", ())], 0.42)
-    assert families(text)["shadefs_source_latency_seconds"] == "histogram"
 
 
-def test_unknown_numbers_are_gauges_and_other_fields_are_ignored() -> None:
-    text = prom.render(FULL)
-    s = samples(text)
-    assert s[("shadefs_brand_new_counter", ())] == 17
-    assert families(text)["shadefs_brand_new_counter"] == "gauge"
+def test_absent_sections_and_unset_fields_are_skipped() -> None:
+    s = samples(prom.render(minimal()))
+    assert s[("shadefs_hits_total", ())] == 30
+    assert s[("shadefs_tier_bytes", (("tier", "ram"),))] == 1000
+    assert s[("shadefs_policy_entries", ())] == 3
     names = {name for name, _ in s}
-    assert not any("a_string" in n or "pid" in n or n == "shadefs_version" for n in names)
+    for absent in ("ssd", "restore", "prefetch", "policy_epoch", "policy_min_score"):
+        assert not any(absent in n for n in names), absent
+    assert not any(
+        labels
+        for name, labels in s
+        if name.startswith("shadefs_tier_") and ("tier", "ssd") in labels
+    )
 
 
-def test_absent_and_malformed_sections_are_skipped() -> None:
-    minimal = {"hits": 1, "misses": 2}
-    s = samples(prom.render(minimal))
-    assert s[("shadefs_hits_total", ())] == 1
-    assert not any(name.startswith(("shadefs_tier", "shadefs_job")) for name, _ in s)
-    odd = {
-        "hits": 1,
-        "tiers": "not a mapping",
-        "jobs": {"x": None},
-        "source_latency": {"buckets": {"nonsense": 1}},
-        "restore": [],
-        "hit_ratio": None,
-    }
-    s = samples(prom.render(odd))
-    assert s[("shadefs_hits_total", ())] == 1
-    assert ("shadefs_hit_ratio", ()) not in s
-    assert not any("latency" in name for name, _ in s)
+def test_every_exported_path_is_in_the_schema_and_every_number_is_exported() -> None:
+    exported = [m.path for m in prom.METRICS] + list(prom.INFO.values())
+    for path in exported + list(prom.NOT_EXPORTED):
+        schema_type(path)  # KeyError: a field that nothing produces
+    for path in exported:
+        assert prom.resolve(full(), path) is not None, path
+    skipped = tuple(prom.NOT_EXPORTED)
+    forgotten = [
+        p
+        for p in numeric_leaves()
+        if p not in exported
+        and not p.startswith(tuple(k + "." for k in skipped))
+        and p not in skipped
+    ]
+    assert forgotten == []
 
 
-def test_a_histogram_without_inf_bucket_gets_it_from_count() -> None:
-    s = samples(prom.render({"source_latency": {"buckets": {"0.5": 3}, "sum": 1.0, "count": 4}}))
-    assert s[("shadefs_source_latency_seconds_bucket", (("le", "+Inf"),))] == 4
+def test_the_schema_check_catches_an_invented_field() -> None:
+    with pytest.raises(KeyError):
+        schema_type("jobs")
+    with pytest.raises(KeyError):
+        schema_type("cache.ssd.source_latency")
+    assert schema_type("cache.ssd.restore.done") is bool
 
 
-def test_an_unknown_field_never_takes_a_documented_name() -> None:
-    # "up" would collide with shadefs_up; "tier_bytes" with the labelled tier family.
-    s = samples(prom.render({"up": 0, "tier_bytes": 5, "tiers": {"ram": {"bytes": 7}}}))
-    assert s[("shadefs_up", ())] == 1
-    assert s[("shadefs_tier_bytes", (("tier", "ram"),))] == 7
-    assert ("shadefs_tier_bytes", ()) not in s
+def test_each_metric_name_has_one_kind_and_one_label_set() -> None:
+    seen: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for m in prom.METRICS:
+        shape = (m.kind, tuple(k for k, _ in m.labels))
+        assert seen.setdefault(m.name, shape) == shape, m.name
+    assert len({(m.name, m.labels) for m in prom.METRICS}) == len(prom.METRICS)
 
 
 def test_a_failing_stats_callable_reports_down() -> None:
-    def broken() -> dict:
+    def broken() -> Stats:
         raise RuntimeError("trio loop is gone")
 
     fams = list(prom.StatsCollector(broken).collect())
@@ -198,9 +154,9 @@ def test_bad_addresses_raise_value_error(addr: str) -> None:
 def test_http_scrape_calls_the_stats_function_in_the_server_thread() -> None:
     calls: list[str] = []
 
-    def stats() -> dict:
+    def stats() -> Stats:
         calls.append(threading.current_thread().name)
-        return {"hits": 5 + len(calls), "misses": 1}
+        return with_counters(full(), hits=5 + len(calls))
 
     host, port = prom.start_server("127.0.0.1:0", stats)
     assert host == "127.0.0.1" and port > 0
@@ -220,7 +176,7 @@ def test_render_of_a_real_mounts_stats(tmp_path: Path, mounter) -> None:
     for name in ("a/1.bin", "a/2.bin", "a/1.bin"):
         (m.mnt / name).read_bytes()
     stats = m.stats()
-    s = samples(prom.render(stats))
+    s = samples(prom.render(Stats.from_json(stats)))  # the daemon's document parses back
     assert s[("shadefs_hits_total", ())] == stats["hits"] == 1
     assert s[("shadefs_misses_total", ())] == stats["misses"] == 2
     # The kernel page cache may serve a warm re-read, so the daemon counts 150..250 bytes.

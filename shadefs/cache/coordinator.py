@@ -29,7 +29,7 @@ from shadefs.cache.policy import Policy
 from shadefs.cache.ssd_store import Signature
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
-from shadefs.stats import Metrics
+from shadefs.stats import CacheStats, Metrics, RamStats
 
 if TYPE_CHECKING:
     from shadefs.cache.prefetch import Prefetcher
@@ -280,15 +280,18 @@ class Cache:
             found = await self.ssd.evict(key) or found
         return found
 
-    def describe(self) -> dict[str, object]:
-        tiers: dict[str, object] = {
-            "ram": {
-                "bytes": self.used,
-                "capacity": self.capacity,
-                "entries": len(self.entries),
-                "hits": self.ram_hits,
-            }
-        }
-        if self.ssd is not None:
-            tiers["ssd"] = self.ssd.describe()
-        return tiers
+    def describe(self) -> CacheStats:
+        ram = RamStats(
+            bytes=self.used, capacity=self.capacity, entries=len(self.entries), hits=self.ram_hits
+        )
+        return CacheStats(
+            ram=ram,
+            max_entry=self.max_entry,
+            admitted=self.admitted,
+            evictions=self.evictions,
+            refused=self.refused,
+            fetches_shared=self.shared_fetches,
+            blocked_seconds=round(self.blocked, 6),
+            policy=self.policy.describe(),
+            ssd=self.ssd.describe() if self.ssd is not None else None,
+        )

@@ -20,8 +20,11 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from sortedcontainers import SortedList
+
+from shadefs.stats import PolicyState
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,8 @@ class Policy(ABC):
     def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
         """The sampler announced epoch `epoch` (policies that infer epochs may use it)."""
 
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "entries": len(self.sizes)}
+    def describe(self) -> PolicyState:
+        return PolicyState(name=self.name, entries=len(self.sizes))
 
 
 class LruPolicy(Policy):
@@ -192,11 +195,9 @@ class EpochPolicy(Policy):
         victims = _take(order(), self.sizes, need)
         return list(order()) if victims is None else victims
 
-    def describe(self) -> dict[str, object]:
-        d = super().describe()
-        d["epoch"] = self.epoch
-        d["epoch_source"] = "sampler" if self._explicit else "inferred"
-        return d
+    def describe(self) -> PolicyState:
+        source = "sampler" if self._explicit else "inferred"
+        return replace(super().describe(), epoch=self.epoch, epoch_source=source)
 
 
 class ShadePolicy(Policy):
@@ -249,12 +250,12 @@ class ShadePolicy(Policy):
     def shrink(self, need: int) -> list[int]:
         return _ranked_victims(self._bottom(), self.sizes, need) or []
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> PolicyState:
         d = super().describe()
-        if self._ranked:
-            d["min_score"] = round(self._ranked[0][0], 4)
-            d["max_score"] = round(self._ranked[-1][0], 4)
-        return d
+        if not self._ranked:
+            return d
+        low, high = round(self._ranked[0][0], 4), round(self._ranked[-1][0], 4)
+        return replace(d, min_score=low, max_score=high)
 
 
 class BeladyPolicy(Policy):

@@ -41,6 +41,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.ssd_store import Signature
+from shadefs.stats import PrefetchStats
 
 if TYPE_CHECKING:
     from shadefs.cache.coordinator import Cache
@@ -316,22 +317,22 @@ class Prefetcher:
             self.staged_bytes -= len(data)
             self.wasted += 1
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "plans": len(self.plans),
-            "plan_positions": {n: [p.cursor, len(p)] for n, p in self.plans.items()},
-            "fetched": self.fetched,
-            "fetched_bytes": self.fetched_bytes,
-            "served": self.served,
-            "wasted": self.wasted,
-            "errors": self.errors,
-            "skipped": self.skipped,
-            "staged": len(self.staged),
-            "staged_bytes": self.staged_bytes,
-            "inflight": len(self._inflight),
-            "workers_target": self.target_workers(),
-            "latency_ms": round(self.latency * 1000, 3),
-            "window": self.window,
-            "plans_done": self.plans_done,
-            "plans_abandoned": self.plans_abandoned,
-        }
+    def describe(self) -> PrefetchStats:
+        return PrefetchStats(
+            plans=len(self.plans),
+            plan_positions={n: (p.cursor, len(p)) for n, p in self.plans.items()},
+            fetched=self.fetched,
+            fetched_bytes=self.fetched_bytes,
+            served=self.served,
+            wasted=self.wasted,
+            errors=self.errors,
+            skipped=self.skipped,
+            staged=len(self.staged),
+            staged_bytes=self.staged_bytes,
+            inflight=len(self._inflight),
+            workers_target=self.target_workers(),
+            latency_ms=round(self.latency * 1000, 3),
+            window=self.window,
+            plans_done=self.plans_done,
+            plans_abandoned=self.plans_abandoned,
+        )

@@ -33,6 +33,7 @@ import trio
 
 from shadefs.cache.policy import Policy
 from shadefs.cache.ssd_store import BLOCK, HSIZE, Signature, SsdStore
+from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)
 
@@ -262,24 +263,30 @@ class SsdTier:
             for key in self.policy.shrink(self.store.disk_bytes - capacity):
                 await self._evict(key)
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "bytes": self.store.disk_bytes,
-            "data_bytes": self.store.used_bytes,
-            "capacity": self.capacity,
-            "entries": len(self.index),
-            "hits": self.hits,
-            "writes": self.writes,
-            "write_failures": self.write_failures,
-            "dropped_writes": self.dropped_writes,
-            "queued_writes": self.queued,
-            "evictions": self.evictions,
-            "corrupt_entries": self.store.corrupt_entries,
-            "stale_entries": self.store.stale_entries,
-            "disk_free": self.store.disk_free(),
-            "min_free": self.store.min_free,
-            "policy": self.policy.describe(),
-        }
+    def describe(self) -> SsdStats:
+        restore = RestoreStats(
+            done=self.restore_done,
+            entries=self.restore_entries,
+            seconds=round(self.restore_seconds, 3),
+        )
+        return SsdStats(
+            bytes=self.store.disk_bytes,
+            data_bytes=self.store.used_bytes,
+            capacity=self.capacity,
+            entries=len(self.index),
+            hits=self.hits,
+            writes=self.writes,
+            write_failures=self.write_failures,
+            dropped_writes=self.dropped_writes,
+            queued_writes=self.queued,
+            evictions=self.evictions,
+            corrupt_entries=self.store.corrupt_entries,
+            stale_entries=self.store.stale_entries,
+            disk_free=self.store.disk_free(),
+            min_free=self.store.min_free,
+            policy=self.policy.describe(),
+            restore=restore,
+        )
 
 
 def _next_chunk(scan) -> list[tuple[bytes, int, Signature]]:  # type: ignore[no-untyped-def]

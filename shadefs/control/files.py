@@ -39,7 +39,7 @@ from shadefs.common import format_size, parse_size
 from shadefs.fs.namespace import Namespace
 from shadefs.sampling import wire
 from shadefs.sampling.registry import Sampling, SamplingError
-from shadefs.stats import Metrics, render_text
+from shadefs.stats import Metrics, Stats, render_text
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Control:
         metrics: Metrics,
         ns: Namespace,
         sampling: Sampling,
-        stats: Callable[[], dict[str, object]],
+        stats: Callable[[], Stats],
         *,
         prefetcher: Prefetcher | None = None,
         uid: int | None = None,
@@ -200,7 +200,7 @@ class Control:
         if spec is _STATS:
             return render_text(self.stats()).encode()
         if spec is _STATS_JSON:
-            return (json.dumps(self.stats(), indent=1, sort_keys=True) + "\n").encode()
+            return (json.dumps(self.stats().to_json(), indent=1, sort_keys=True) + "\n").encode()
         if spec is _METRICS:
             from shadefs.ops.prom import render
 

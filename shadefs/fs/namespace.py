@@ -30,6 +30,7 @@ import pyfuse3
 import trio
 
 from shadefs.source import Source
+from shadefs.stats import NamespaceStats
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,14 @@ class Namespace:
         self.listings: dict[int, Listing] = {}
         self._foreign: dict[tuple[int, int], int] = {}
         self._listing_flights: dict[int, trio.Event] = {}
+
+    def describe(self) -> NamespaceStats:
+        return NamespaceStats(
+            revalidations=self.revalidations,
+            changed_files=self.changed_files,
+            inodes_known=len(self.nodes),
+            directories_listed=len(self.listings),
+        )
 
     # --- inode numbers ----------------------------------------------------------------
 

@@ -17,9 +17,10 @@ every reported batch.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
+
+from shadefs.stats import TableStats
 
 log = logging.getLogger(__name__)
 
@@ -183,20 +184,20 @@ class ImportanceTable:
         order = np.lexsort((cand, -self.scores[cand]))
         return cand[order[:k]].astype(np.int64)
 
-    def stats(self) -> dict[str, Any]:
-        """JSON-ready summary for ``stats.json``."""
+    def describe(self) -> TableStats:
+        """The summary for ``stats.json`` (``sampler.table``)."""
         scored_mask = self.seen > 0
         scored = int(np.count_nonzero(scored_mask))
         mean_scored = float(self.scores[scored_mask].mean()) if scored else None
-        return {
-            "samples": self.n,
-            "scored": scored,
-            "scored_fraction": scored / self.n if self.n else 0.0,
-            "mean_score": float(self.scores.mean()) if self.n else None,
-            "mean_score_scored": mean_scored,
-            "max_seen": int(self.seen.max()) if self.n else 0,
-            "ingested_samples": self._ingested_samples,
-            "ingested_batches": self._ingested_batches,
-            "version": self.version,
-            "smoothing": self.smoothing,
-        }
+        return TableStats(
+            samples=self.n,
+            scored=scored,
+            scored_fraction=scored / self.n if self.n else 0.0,
+            mean_score=float(self.scores.mean()) if self.n else None,
+            mean_score_scored=mean_scored,
+            max_seen=int(self.seen.max()) if self.n else 0,
+            ingested_samples=self._ingested_samples,
+            ingested_batches=self._ingested_batches,
+            version=self.version,
+            smoothing=self.smoothing,
+        )

@@ -28,6 +28,7 @@ import numpy as np
 
 from shadefs.sampling import pads, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
+from shadefs.stats import SamplerStats
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +176,15 @@ class Sampling:
         self.orders_served += 1
         return pads.rank_slice(full, request.world_size, request.rank)
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "samples": self.n,
-            "epoch": self.epoch,
-            "replay": round(self.r, 3),
-            "replay_mode": "auto" if self.fixed_replay is None else "fixed",
-            "orders_served": self.orders_served,
-            "losses_ingested": self.losses_ingested,
-            "reports": self.reports,
-            "last_report": self.last_report,
-            "table": self.table.stats() if self.n else {},
-        }
+    def describe(self) -> SamplerStats:
+        return SamplerStats(
+            samples=self.n,
+            epoch=self.epoch,
+            replay=round(self.r, 3),
+            replay_mode="auto" if self.fixed_replay is None else "fixed",
+            orders_served=self.orders_served,
+            losses_ingested=self.losses_ingested,
+            reports=self.reports,
+            last_report=dict(self.last_report),
+            table=self.table.describe() if self.n else None,
+        )
