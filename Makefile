@@ -32,12 +32,21 @@ demo: setup
 	$(VENV)/bin/shadefs demo
 
 test: setup
-	$(VENV)/bin/ruff check shadefs tests tools
-	$(VENV)/bin/ruff format --check shadefs tests tools
+	$(VENV)/bin/ruff check shadefs tests tools examples
+	$(VENV)/bin/ruff format --check shadefs tests tools examples
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# The benchmarks, listed in tools/README.md. `make bench` runs the quick ones; `make bench
+# LONG=1` adds those that take many minutes: bench_ssd_hits and bench_restore (both need
+# root, and bench_restore builds a million SSD entries) and bench_e2e (torch training).
+BENCH_QUICK := bench_epochs bench_hits bench_pads bench_handlers
+BENCH_LONG  := bench_ssd_hits bench_e2e bench_restore
+
 bench: setup
-	cd tools && ../$(PY) bench_epochs.py && ../$(PY) bench_hits.py && ../$(PY) bench_pads.py
+	@for b in $(BENCH_QUICK) $(if $(LONG),$(BENCH_LONG)); do \
+		echo "== python tools/bench/$$b.py"; \
+		$(PY) tools/bench/$$b.py || exit 1; \
+	done
 
 install: setup
 	PYTHON=$(abspath $(PY)) sh mount/install.sh

@@ -152,7 +152,7 @@ def test_concurrency_follows_littles_law() -> None:
 def _slowfs(real: Path, mnt: Path, *args: str) -> None:
     mnt.mkdir()
     subprocess.run(
-        [sys.executable, str(REPO / "tools" / "slowfs.py"), str(real), str(mnt), "--daemon", *args],
+        [sys.executable, "-m", "shadefs.demo.slowfs", str(real), str(mnt), "--daemon", *args],
         check=True,
         timeout=60,
     )

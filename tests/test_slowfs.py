@@ -1,4 +1,4 @@
-"""Tests for tools/slowfs.py, the slow-remote emulator used by the benchmarks.
+"""Tests for ``shadefs.demo.slowfs``, the slow-remote emulator of the demo and the benchmarks.
 
 Most tests mount it for real. Elapsed times are only checked as lower bounds that follow
 from the emulated sleeps (N opens at 20 ms cannot take less than N * 20 ms), never as
@@ -8,7 +8,6 @@ speed targets.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import shutil
@@ -20,27 +19,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import trio
 
-ROOT = Path(__file__).resolve().parents[1]
-SLOWFS = ROOT / "tools" / "slowfs.py"
+from shadefs.demo import slowfs
+from shadefs.demo.slowfs_ops import Link
+
+# How the demo, the benchmarks and the README start it.
+SLOWFS = [sys.executable, "-m", "shadefs.demo.slowfs"]
 # A safety net for hung mounts only: no test asserts against it.
 DEADLINE = 30.0
-
-
-def _load_slowfs() -> ModuleType:
-    # tools/ is not a package: load the script as a module.
-    spec = importlib.util.spec_from_file_location("slowfs", SLOWFS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-slowfs = _load_slowfs()
 
 
 def _require_fuse() -> None:
@@ -77,7 +66,7 @@ def mounted(src: Path, mnt: Path, *options: str) -> Iterator[subprocess.Popen[by
     """Run slowfs in the foreground on *mnt* for the duration of the block."""
     _require_fuse()
     mnt.mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(SLOWFS), str(src), str(mnt), *options])
+    proc = subprocess.Popen([*SLOWFS, str(src), str(mnt), *options])
     try:
         _wait_for(lambda: os.path.ismount(mnt), "the mount", proc)
         yield proc
@@ -110,7 +99,7 @@ def _make_files(root: Path, count: int, size: int) -> list[Path]:
 
 
 async def test_link_is_shared_by_concurrent_transfers(autojump_clock: object) -> None:
-    link = slowfs.Link(rate=1e6)
+    link = Link(rate=1e6)
     finished: list[float] = []
 
     async def transfer() -> None:
@@ -126,7 +115,7 @@ async def test_link_is_shared_by_concurrent_transfers(autojump_clock: object) ->
 
 
 async def test_idle_link_banks_no_credit(autojump_clock: object) -> None:
-    link = slowfs.Link(rate=1e6)
+    link = Link(rate=1e6)
     await trio.sleep(10)
     start = trio.current_time()
     await link.transfer(500_000)
@@ -134,7 +123,7 @@ async def test_idle_link_banks_no_credit(autojump_clock: object) -> None:
 
 
 async def test_unlimited_link_does_not_wait(autojump_clock: object) -> None:
-    link = slowfs.Link(rate=0)
+    link = Link(rate=0)
     start = trio.current_time()
     await link.transfer(10**9)
     assert trio.current_time() == start
@@ -275,7 +264,7 @@ def test_daemon_returns_once_mounted(tmp_path: Path) -> None:
         # capture_output also proves that the daemon let go of our pipes; relative paths
         # must survive its change of directory.
         result = subprocess.run(
-            [sys.executable, str(SLOWFS), "src", "mnt", "--daemon"],
+            [*SLOWFS, "src", "mnt", "--daemon"],
             capture_output=True,
             timeout=DEADLINE,
             cwd=tmp_path,
@@ -300,10 +289,10 @@ def test_daemon_reports_mount_failure(tmp_path: Path) -> None:
         "    raise RuntimeError('mount refused')\n"
         "pyfuse3.init = fail\n"
         "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "runpy.run_module('shadefs.demo.slowfs', run_name='__main__')\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, str(SLOWFS), str(tmp_path), str(tmp_path), "--daemon"],
+        [sys.executable, "-c", script, "slowfs", str(tmp_path), str(tmp_path), "--daemon"],
         capture_output=True,
         text=True,
         timeout=DEADLINE,

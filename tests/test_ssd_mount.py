@@ -213,7 +213,7 @@ def test_concurrent_readers_never_exceed_the_ssd_budget(tmp_path: Path, mounter)
 def start_slowfs(real: Path, mnt: Path) -> int:
     mnt.mkdir()
     subprocess.run(
-        [sys.executable, str(REPO / "tools" / "slowfs.py"), str(real), str(mnt), "--daemon"]
+        [sys.executable, "-m", "shadefs.demo.slowfs", str(real), str(mnt), "--daemon"]
         + ["--open-latency", "0", "--meta-latency", "0", "--bandwidth", "0"],
         check=True,
         timeout=60,

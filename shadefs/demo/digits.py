@@ -1,6 +1,6 @@
 """A small real dataset and training loop for the demo, the example and the learning tests.
 
-This module owns three things that the demo (``shadefs.demo.run``), ``tools/example_digits.py``
+This module owns three things that the demo (``shadefs.demo.run``), ``examples/digits.py``
 and ``tests/test_learning.py`` share, so they measure the same thing:
 
 - ``build_digits``: scikit-learn's bundled ``digits`` (1797 8x8 images, no download) written
@@ -80,7 +80,9 @@ def build_digits(
     for split, chosen in (("train", train_ids), ("test", test_ids)):
         for i in sorted(chosen.tolist()):
             img = Image.fromarray(images[i].astype(np.uint8), mode="L")
-            big = np.asarray(img.resize((STORED_SIZE, STORED_SIZE), Image.BILINEAR), np.int16)
+            big = np.asarray(
+                img.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BILINEAR), np.int16
+            )
             # Sensor-like noise: keeps the label and makes the PNG a few kB instead of 300 B.
             noisy = np.clip(big + rng.integers(-12, 13, big.shape), 0, 255).astype(np.uint8)
             d = root / split / str(int(digits.target[i]))
@@ -112,7 +114,7 @@ def transform(img: Any) -> torch.Tensor:
     """
     from PIL import Image
 
-    small = img.convert("L").resize((INPUT_SIZE, INPUT_SIZE), Image.BILINEAR)
+    small = img.convert("L").resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR)
     x = torch.from_numpy(np.asarray(small, dtype=np.float32))
     return x.div_(127.5).sub_(1.0).unsqueeze_(0)
 
@@ -136,7 +138,8 @@ class SmallCNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+        out: torch.Tensor = self.head(self.features(x))
+        return out
 
 
 def load_tensors(folder: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +163,8 @@ def mount_stats(mountpoint: str | None) -> dict[str, Any] | None:
     if mountpoint is None:
         return None
     with open(os.path.join(mountpoint, ".shadefs", "stats.json"), "rb") as f:
-        return json.loads(f.read())
+        stats: dict[str, Any] = json.loads(f.read())
+    return stats
 
 
 def train(

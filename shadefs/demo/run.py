@@ -1,21 +1,20 @@
 """``shadefs demo``: mount a real dataset, train on it, and show what the cache does.
 
-This module owns the demo: it builds scikit-learn's digits as an ImageFolder in a work
-directory, puts it behind ``tools/slowfs.py`` (an emulated slow remote) when that tool is
-in the repository checkout, mounts shadefs over it with RAM for 20% of the training bytes,
-and trains the same small CNN twice: uniform sampling over the default ``epoch`` policy,
-then ``ShadeSampler`` over the ``shade`` policy.  It prints the hit ratio, accuracy and time
-of every epoch, a summary table, and writes a PNG plot (drawn with PIL, so matplotlib is
-not needed).
+This module owns the demo's run: it builds scikit-learn's digits as an ImageFolder in a
+work directory, puts it behind ``shadefs.demo.slowfs`` (an emulated slow remote), mounts
+shadefs over that with RAM for 20% of the training bytes, and trains the same small CNN
+twice: uniform sampling over the default ``epoch`` policy, then ``ShadeSampler`` over the
+``shade`` policy. It prints the hit ratio, accuracy and time of every epoch and a summary
+table, and writes a PNG with matplotlib (``shadefs.demo.plot``).
 
 Every mount it makes is unmounted on the way out, also on Ctrl-C, SIGTERM or SIGHUP:
-``shadefs umount`` first, ``fusermount3 -u -z`` if that fails.
-"""
+``shadefs umount`` first, ``fusermount3 -u -z`` if that fails."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import logging
 import math
@@ -33,6 +32,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from shadefs.demo.plot import Run, mean_epoch_time, write_plot
+
 if TYPE_CHECKING:
     from shadefs.demo.digits import EpochRecord
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 RAM_FRACTION = 0.2
 REPLAY = 3
-#: What the emulated remote charges (tools/slowfs.py options); said wherever a time is shown.
+#: What the emulated remote charges (shadefs.demo.slowfs options); said wherever a time is shown.
 #: No metadata latency: with slowfs's zero entry timeouts every path component would pay it
 #: again on every open (about 10 ms a file at 0.5 ms), where a real NFS client caches them.
 SLOWFS_ARGS = ("--open-latency", "3", "--meta-latency", "0", "--bandwidth", "100")
@@ -168,14 +169,6 @@ def _signals_ignored() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _slowfs_script() -> Path | None:
-    """tools/slowfs.py of the repository checkout this package runs from, if usable."""
-    script = Path(__file__).resolve().parents[2] / "tools" / "slowfs.py"
-    if script.is_file() and importlib.util.find_spec("pyfuse3") is not None:
-        return script
-    return None
-
-
 def _mount_shadefs(mounts: _Mounts, source: Path, mnt: Path, log_dir: Path, *args: str) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
     mounts.add(mnt, "shadefs")
@@ -186,11 +179,12 @@ def _mount_shadefs(mounts: _Mounts, source: Path, mnt: Path, log_dir: Path, *arg
         raise RuntimeError(f"shadefs mount failed: {res.stderr.strip()} (log: {log_file})")
 
 
-def _mount_slowfs(mounts: _Mounts, script: Path, source: Path, mnt: Path, log_dir: Path) -> None:
+def _mount_slowfs(mounts: _Mounts, source: Path, mnt: Path, log_dir: Path) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
     mounts.add(mnt, "slowfs")
     log_file = log_dir / "slowfs.log"
-    cmd = [sys.executable, str(script), str(source), str(mnt), "--daemon", *SLOWFS_ARGS]
+    cmd = [sys.executable, "-m", "shadefs.demo.slowfs", str(source), str(mnt), "--daemon"]
+    cmd += SLOWFS_ARGS
     res = subprocess.run([*cmd, "--log", str(log_file)], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"slowfs failed: {res.stderr.strip()} (log: {log_file})")
@@ -251,57 +245,10 @@ def _summary(results: dict[str, list[EpochRecord]]) -> list[str]:
     return lines
 
 
-def write_plot(results: dict[str, list[EpochRecord]], path: Path, title: str) -> None:
-    """Hit ratio and test accuracy per epoch, one line per run, drawn with PIL."""
-    from PIL import Image, ImageDraw
-
-    width, height, margin = 960, 450, 50
-    img = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(img)
-    draw.text((margin, 10), title, fill="black")
-    colours = {"uniform": (200, 60, 40), "shade": (30, 100, 200)}
-    panels = (("hit ratio", lambda r: r.hit_ratio or 0.0), ("test accuracy", None))
-    panel_w = (width - 3 * margin) // 2
-    epochs = max((len(r) for r in results.values()), default=1)
-    for p, (name, _) in enumerate(panels):
-        x0 = margin + p * (panel_w + margin)
-        y0, y1 = 40, height - margin - 30
-        draw.rectangle((x0, y0, x0 + panel_w, y1), outline="black")
-        draw.text((x0 + 5, y0 + 5), name, fill="black")
-        for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-            y = y1 - frac * (y1 - y0)
-            draw.line((x0 - 4, y, x0, y), fill="black")
-            draw.text((x0 - 34, y - 6), f"{frac:.2f}", fill="black")
-        for e in range(epochs):
-            x = x0 + (e + 0.5) * panel_w / epochs
-            draw.text((x - 3, y1 + 6), str(e + 1), fill="black")
-        draw.text((x0 + panel_w // 2 - 15, y1 + 22), "epoch", fill="black")
-        for key, recs in results.items():
-            values = [
-                (r.hit_ratio or 0.0) if p == 0 else r.test_accuracy
-                for r in recs
-                if p == 0 or not math.isnan(r.test_accuracy)
-            ]
-            points = [
-                (x0 + (e + 0.5) * panel_w / epochs, y1 - v * (y1 - y0))
-                for e, v in enumerate(values)
-            ]
-            colour = colours.get(key, (0, 0, 0))
-            if len(points) > 1:
-                draw.line(points, fill=colour, width=3)
-            for x, y in points:
-                draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
-    for i, (key, _policy, label) in enumerate(RUNS):
-        y = height - 14
-        x = margin + i * (width // 2)
-        draw.rectangle((x, y - 4, x + 16, y + 4), fill=colours[key])
-        draw.text((x + 22, y - 6), label, fill="black")
-    img.save(path)
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Entry point of ``shadefs demo``; returns the exit code (130 when interrupted)."""
-    missing = [m for m in ("torch", "torchvision", "PIL") if importlib.util.find_spec(m) is None]
+    needed = ("torch", "torchvision", "PIL", "matplotlib")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     dataset = getattr(args, "dataset", None)
     if dataset is None and importlib.util.find_spec("sklearn") is None:
         missing.append("scikit-learn")
@@ -359,6 +306,7 @@ def _run(
 
     log_dir = workdir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    test_rel: str | None
     if dataset is None:
         print("building scikit-learn's digits as an ImageFolder ...", flush=True)
         data = digits.build_digits(workdir / "digits")
@@ -369,16 +317,10 @@ def _run(
     train_bytes = digits.tree_bytes(data / train_rel)
     ram = max(1, int(train_bytes * RAM_FRACTION))
 
-    script = _slowfs_script()
-    if script is not None:
-        source = workdir / "remote"
-        _mount_slowfs(mounts, script, data, source, log_dir)
-        what = "slowfs: " + " ".join(SLOWFS_ARGS)
-        print(f"source: {data} behind tools/slowfs.py ({what}: an emulated slow remote)")
-    else:
-        source = data
-        what = "plain directory"
-        print(f"source: {data} as a plain directory (tools/slowfs.py not in this checkout)")
+    source = workdir / "remote"
+    _mount_slowfs(mounts, data, source, log_dir)
+    what = "slowfs " + " ".join(SLOWFS_ARGS)
+    print(f"source: {data} behind shadefs.demo.slowfs ({what}: an emulated slow remote)")
     print(
         f"training data {train_bytes / 1e6:.1f} MB; shadefs RAM {ram / 1e6:.2f} MB "
         f"({RAM_FRACTION:.0%}); {epochs} epochs per run",
@@ -399,7 +341,7 @@ def _run(
             sampler=key,
             epochs=epochs,
             replay=REPLAY if key == "shade" else None,
-            on_epoch=lambda rec, key=key: _print_epoch(key, rec),
+            on_epoch=functools.partial(_print_epoch, key),
         )
         mounts.release(mnt)
 
@@ -410,8 +352,16 @@ def _run(
         u, s = (digits.hit_ratio(results[k], 1) for k in ("uniform", "shade"))
         if u > 0:
             print(f"hit ratio after the first epoch: ShadeSampler {s / u:.1f}x uniform")
+        tu, ts = (mean_epoch_time(results[k]) for k in ("uniform", "shade"))
+        print(
+            f"time per epoch after the first: uniform {tu:.1f} s, ShadeSampler {ts:.1f} s"
+            + (f" ({tu / ts:.1f}x faster)" if ts > 0 else "")
+        )
+    runs = [Run(key, label, results[key]) for key, _policy, label in RUNS if key in results]
+    name = "digits" if dataset is None else data.name
+    title = f"shadefs demo: {name}, RAM {RAM_FRACTION:.0%} of the training bytes, source {what}"
     try:
-        write_plot(results, plot, f"shadefs demo: digits, RAM {RAM_FRACTION:.0%}, source {what}")
+        write_plot(runs, plot, title)
     except OSError as exc:
         print(f"could not write the plot {plot}: {exc.strerror or exc}", file=sys.stderr)
     else:

@@ -1,6 +1,6 @@
 """SSD-tier hits through the mount versus reading the source directly, in files/s.
 
-    python tools/bench_ssd_hits.py [--files 4000] [--size 110000] [--repeat 3]
+    python tools/bench/bench_ssd_hits.py [--files 4000] [--size 110000] [--repeat 3]
 
 SRC and the SSD cache directory sit on the same local disk, so this compares two ways of
 getting a file off one disk, not a remote against a local SSD. The mount gets `--ram 1M
@@ -31,22 +31,23 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from benchlib import make_dataset
-from benchssd import (
+from benchlib import (
     can_drop_caches,
     describe_disk,
     drop_caches,
-    exit_on_sigterm,
     files_per_second,
+    make_dataset,
     median,
     mounted,
+    raise_on_sigterm,
     stats,
     wait_until,
 )
 
 
-def _ssd_counts(s: dict) -> tuple[int, int, int, int, int]:
+def _ssd_counts(s: dict[str, Any]) -> tuple[int, int, int, int, int]:
     """(opens, SSD hits, RAM hits, misses, bytes from source) so far."""
     ram_hits = s["tiers"]["ram"]["hits"]
     return s["hits"] + s["misses"], s["ssd_hits"], ram_hits, s["misses"], s["bytes_from_source"]
@@ -97,9 +98,13 @@ def main() -> None:
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"), help="on the local disk")
     args = ap.parse_args()
-    exit_on_sigterm()
     if not can_drop_caches():
         sys.exit("the cold passes drop the kernel's caches: run as root")
+    with raise_on_sigterm():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="shadefs-bench-ssd-", dir=args.workdir) as tmp:
         src, mnt, cache = Path(tmp) / "src", Path(tmp) / "mnt", Path(tmp) / "ssd"

@@ -1,7 +1,7 @@
 """Mount readiness with a huge SSD cache: the index is restored in the background.
 
-    python tools/bench_restore.py [--entries 1000000] [--size 200] [--repeat 3]
-                                  [--workdir /var/tmp/shadefs-bench-restore] [--clean]
+    python tools/bench/bench_restore.py [--entries 1000000] [--size 200] [--repeat 3]
+                                        [--workdir /var/tmp/shadefs-bench-restore] [--clean]
 
 Builds (or reuses, under --workdir on the local disk) a source tree of N small files in 1000
 directories and a valid SSD cache directory holding an entry for every one of them. The
@@ -24,21 +24,20 @@ import os
 import random
 import secrets
 import shutil
+import struct
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchssd import (
+import xxhash
+from benchlib import (
     can_drop_caches,
-    check_encoder,
     describe_disk,
     drop_caches,
-    encode_entry,
-    entry_name,
-    exit_on_sigterm,
     median,
     mount,
+    raise_on_sigterm,
     read_files,
     stats,
     umount,
@@ -46,7 +45,17 @@ from benchssd import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_store import BLOCK, HSIZE, NBUCKETS, CacheLocked, Signature, SsdStore
+from shadefs.cache.ssd_store import (
+    BLOCK,
+    HEADER,
+    HSIZE,
+    MAGIC,
+    NBUCKETS,
+    VERSION,
+    CacheLocked,
+    Signature,
+    SsdStore,
+)
 from shadefs.common import format_size
 
 GiB = 1 << 30
@@ -99,6 +108,36 @@ class Run:
     restore_entries: int
     ssd_entries: int
     umount_s: float
+
+
+# --- SSD entries written without the daemon ----------------------------------------------
+
+
+def entry_name(relpath: bytes) -> str:
+    """The entry's file name (SsdStore._key); checked against key_path by check_encoder."""
+    return xxhash.xxh3_128_hexdigest(relpath)
+
+
+def encode_entry(relpath: bytes, data: bytes, sig: Signature) -> bytes:
+    """The exact bytes SsdStore.put writes for this entry (see the format in ssd_store.py)."""
+    fields = (MAGIC, VERSION, len(relpath), len(data), sig.size, sig.mtime_ns, sig.ino)
+    hashed = HEADER.pack(*fields, xxhash.xxh3_64_intdigest(data), 0)[: HEADER.size - 8]
+    return hashed + struct.pack("<Q", xxhash.xxh3_64_intdigest(hashed)) + relpath + data
+
+
+def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
+    """Write one entry with store.put and insist that encode_entry produces the same file."""
+    data = (src / os.fsdecode(relpath)).read_bytes()
+    sig = Signature.of(os.stat(src / os.fsdecode(relpath)))
+    if not store.put(relpath, data, sig):
+        raise RuntimeError(f"SsdStore.put refused {relpath!r}: is the disk full?")
+    path = store.key_path(relpath)
+    if path.name != entry_name(relpath) or path.parent.name != path.name[:3]:
+        raise RuntimeError(f"entry naming changed in ssd_store.py: {path}")
+    if path.read_bytes() != encode_entry(relpath, data, sig):
+        raise RuntimeError("the entry format changed in ssd_store.py: update encode_entry")
+    if store.get(relpath, sig) != data:
+        raise RuntimeError("SsdStore.get does not return what was put")
 
 
 # --- building the source tree and the cache (worker processes) ---------------------------
@@ -282,8 +321,11 @@ def main() -> None:
     ap.add_argument("--rebuild", action="store_true", help="rebuild source tree and cache")
     ap.add_argument("--clean", action="store_true", help="delete tree and cache afterwards")
     args = ap.parse_args()
-    exit_on_sigterm()
+    with raise_on_sigterm():
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     cold = args.page_cache == "cold"
     if cold and not can_drop_caches():
         sys.exit("--page-cache cold drops the kernel's caches and needs root (or use warm)")

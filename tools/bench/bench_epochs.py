@@ -1,6 +1,6 @@
 """Shuffled epochs through the mount: the `epoch` policy against `lru` and the theory.
 
-    python tools/bench_epochs.py [--files 2000] [--size 20000] [--epochs 5] [--fraction 0.2]
+    python tools/bench/bench_epochs.py [--files 2000] [--size 20000] [--epochs 5] [--fraction 0.2]
 
 Each epoch reads every file once in a fresh random order (what RandomSampler and
 DistributedSampler do). The RAM budget is `fraction` of the dataset's bytes. Hit ratios

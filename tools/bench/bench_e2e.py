@@ -1,13 +1,13 @@
 """End to end: epoch times of ImageFolder + DataLoader training over an emulated remote.
 
-    python tools/bench_e2e.py [--images 2000] [--epochs 3] [--model tiny|none] [--workdir DIR]
+    python tools/bench/bench_e2e.py [--images 2000] [--epochs 3] [--model tiny|none] [--workdir DIR]
 
 What is measured: the wall time of each training epoch (from ``iter(loader)`` to the last
 step) of an unchanged torchvision job -- ``ImageFolder`` + ``DataLoader`` (4 workers, PIL
 JPEG decode, RandomResizedCrop(64) + flip + ToTensor + Normalize) -- reading the same
 JPEG dataset in five ways:
 
-  (a) the emulated remote directly: a ``tools/slowfs.py`` mount of the dataset;
+  (a) the emulated remote directly: a ``shadefs.demo.slowfs`` mount of the dataset;
   (b) shadefs over that remote, RandomSampler, ``--policy epoch --no-prefetch``;
   (c) shadefs over that remote, ShadeSampler, ``--policy shade --no-prefetch``;
   (d) (c) with the prefetcher (``--prefetch [--prefetch-window SIZE]``);
@@ -67,22 +67,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from e2elib import (
-    INPUT_SIZE,
-    SLOWFS,
-    TOOLS,
-    DatasetSpec,
-    build_dataset,
+from benchlib import (
     drop_page_cache,
     machine_cpu,
-    make_transform,
+    mounted,
     process_cpu,
     raise_on_sigterm,
-    read_json,
-    shadefs_mount,
     shadefs_mount_help,
-    slowfs_mount,
+    slowfs_mounted,
     slowfs_stats,
+    stats,
+)
+from e2e_workload import (
+    INPUT_SIZE,
+    DatasetSpec,
+    build_dataset,
+    make_transform,
     tiny_model,
     worker_init,
 )
@@ -172,7 +172,7 @@ class Probe:
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"machine": machine_cpu()}
         if self.shade is not None:
-            snap["shade"] = read_json(self.shade / ".shadefs" / "stats.json")
+            snap["shade"] = stats(self.shade)
             self.shade_pid = int(snap["shade"]["pid"])
             snap["cpu_shadefs"] = process_cpu(self.shade_pid)
         if self.remote is not None and self.remote_pid is not None:
@@ -306,7 +306,7 @@ def run_config(
         root, remote, shade, remote_pid = data, None, None, None
         if cfg.remote:
             remote, remote_pid = stack.enter_context(
-                slowfs_mount(data, work / "remote", slowfs_opts, args.slowfs)
+                slowfs_mounted(data, work / "remote", slowfs_opts, args.slowfs)
             )
             root = remote
         else:
@@ -314,7 +314,7 @@ def run_config(
         if cfg.shadefs is not None:
             log = str(args.log_dir / f"shadefs-{cfg.key}.log") if args.log_dir else "none"
             options = [*cfg.shadefs, "--log", log]
-            shade = stack.enter_context(shadefs_mount(root, work / "shade", options))
+            shade = stack.enter_context(mounted(root, work / "shade", *options))
             root = shade
         result.epochs = train_epochs(root, cfg, args, Probe(shade, remote, remote_pid))
     return result
@@ -509,14 +509,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(os.environ.get("SHADEFS_BENCH_DIR", "/var/tmp/shadefs-bench-e2e")),
         help="keeps the generated dataset (reused) and the mount points",
     )
-    g = ap.add_argument_group("emulated remote (tools/slowfs.py)")
+    g = ap.add_argument_group("emulated remote (python -m shadefs.demo.slowfs)")
     g.add_argument("--open-latency", type=float, default=5.0, metavar="MS")
     g.add_argument("--meta-latency", type=float, default=0.5, metavar="MS")
     g.add_argument("--read-latency", type=float, default=0.0, metavar="MS")
     g.add_argument("--bandwidth", type=float, default=100.0, metavar="MB/S")
     g.add_argument("--jitter", type=float, default=0.0)
     g.add_argument(
-        "--slowfs", type=Path, default=SLOWFS, help="the emulator script (default tools/slowfs.py)"
+        "--slowfs", type=Path, help="another emulator script (default: shadefs.demo.slowfs)"
     )
     g = ap.add_argument_group("shadefs")
     g.add_argument("--ram-fraction", type=float, default=0.2, help="of the data's bytes")
@@ -631,8 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         f" (noise sigma {manifest['noise']:.1f}), {data}"
         + (f" (built in {built:.0f} s)" if built > 1 else " (reused)")
     )
-    script = args.slowfs.resolve()
-    shown = script.relative_to(TOOLS.parent) if script.is_relative_to(TOOLS.parent) else script
+    shown = "-m shadefs.demo.slowfs" if args.slowfs is None else args.slowfs.resolve()
     print(f"remote  : python {shown} SRC MNT {' '.join(slowfs_opts)} (direct I/O)")
     print(f"shadefs : --ram {ram} ({ram / 1e6:.1f} MB = {args.ram_fraction:.0%} of the bytes)")
     for c in cfgs:

@@ -1,6 +1,6 @@
 """Warm cache hits through the mount versus reading the source directly.
 
-    python tools/bench_hits.py [--files 4000] [--size 110000] [--repeat 3]
+    python tools/bench/bench_hits.py [--files 4000] [--size 110000] [--repeat 3]
 
 Both sides are warm: the source files sit in the kernel page cache of a local disk (the
 fastest a "remote" can ever be), and the mount has every file resident in its RAM tier and

@@ -5,7 +5,7 @@ Prints (a) the time to build one rank's PADS order for ImageNet-1k scale (1.28 M
 losses message of one 1,024-sample batch and ingest it into a 1.28 M-entry importance table
 (goal < 1 ms).  Pure CPU and in-process: no mount, no source latency involved.
 
-Usage: python tools/bench_pads.py [--samples N] [--repeats R]
+Usage: python tools/bench/bench_pads.py [--samples N] [--repeats R]
 """
 
 from __future__ import annotations

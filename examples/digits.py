@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""example_digits.py - train a real model through shadefs and compare the hit ratios.
+"""Train a real model through shadefs and compare the hit ratios of three set-ups.
 
 scikit-learn's digits (1437 training PNGs of ~3 kB) as an ImageFolder, mounted with RAM for
 20% of the training bytes, and the same CNN trained three ways:
@@ -12,10 +12,12 @@ scikit-learn's digits (1437 training PNGs of ~3 kB) as an ImageFolder, mounted w
 It prints every epoch's hit ratio, test accuracy and time, then the hit ratio over epochs
 2..N (every open counted, cold misses included) and the ratios between the runs, and the
 final test accuracy of each run averaged over ``--seeds`` seeds.  The source is a plain
-local directory unless ``--slowfs`` puts tools/slowfs.py in front of it; hit ratios do not
-depend on that, epoch times do.
+local directory unless ``--slowfs`` puts the emulated slow remote (``shadefs.demo.slowfs``)
+in front of it; hit ratios do not depend on that, epoch times do.
 
-Usage: ``python tools/example_digits.py [--epochs 8] [--seeds 1] [--workdir DIR]``
+Needs the ``torch`` extra and scikit-learn (``pip install 'shadefs[torch]' scikit-learn``).
+
+Usage: ``python examples/digits.py [--epochs 8] [--seeds 1] [--workdir DIR] [--slowfs]``
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ import torch
 
 from shadefs.demo.digits import EpochRecord, build_digits, hit_ratio, train, tree_bytes
 
-log = logging.getLogger("example_digits")
+log = logging.getLogger("examples.digits")
 
 RUNS = (
     ("uniform + lru", "uniform", "lru"),
     ("uniform + epoch", "uniform", "epoch"),
     ("ShadeSampler + shade", "shade", "shade"),
 )
-SLOWFS = Path(__file__).resolve().parent / "slowfs.py"
+SLOWFS = [sys.executable, "-m", "shadefs.demo.slowfs"]
 
 
 @contextlib.contextmanager
@@ -52,7 +54,7 @@ def mounted(src: Path, mnt: Path, *args: str, kind: str = "shadefs") -> Iterator
         cmd = [sys.executable, "-m", "shadefs", "mount", str(src), str(mnt), "--log", "none"]
         umount = [sys.executable, "-m", "shadefs", "umount", str(mnt)]
     else:
-        cmd = [sys.executable, str(SLOWFS), str(src), str(mnt), "--daemon"]
+        cmd = [*SLOWFS, str(src), str(mnt), "--daemon"]
         umount = ["fusermount3", "-u", str(mnt)]
     subprocess.run([*cmd, *args], check=True)
     try:
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-fraction", type=float, default=0.2)
     p.add_argument("--replay", type=float, default=3.0)
     p.add_argument("--workdir", help="keep the dataset here (default: a temp dir)")
-    p.add_argument("--slowfs", action="store_true", help="put tools/slowfs.py in front")
+    p.add_argument("--slowfs", action="store_true", help="put the emulated slow remote in front")
     p.add_argument("--json", help="write every epoch record here")
     args = p.parse_args(argv)
     if args.epochs < 2:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"digits: {tree_bytes(data / 'train') / 1e6:.2f} MB of training PNGs; RAM "
             f"{args.ram_fraction:.0%} of it; replay {args.replay:g}; {args.epochs} epochs; "
-            f"source {'behind tools/slowfs.py (default options)' if args.slowfs else 'local'}"
+            f"source {'behind shadefs.demo.slowfs (default options)' if args.slowfs else 'local'}"
         )
         results: dict[str, list[list[EpochRecord]]] = {name: [] for name, _, _ in RUNS}
         for seed in range(args.seeds):

@@ -1,6 +1,6 @@
 """The daemon's own cost of a warm cache hit: open + release handlers called directly.
 
-    python tools/bench_handlers.py [--files 100] [--size 110000] [--calls 200000]
+    python tools/bench/bench_handlers.py [--files 100] [--size 110000] [--calls 200000]
 
 No FUSE and no kernel: the handlers of a built filesystem are awaited in a loop on files that
 are resident in the RAM tier. Comparing the result with bench_hits.py's per-file time
