@@ -1,0 +1,170 @@
+"""The package's shape: no import cycle, no oversized module, a daemon free of UI libraries.
+
+The import graph is read from the source with `ast`, so that it sees every import: those at
+module level, inside functions, and under `if TYPE_CHECKING:` (a cycle hidden from the
+interpreter is still a cycle for a reader). Edges are resolved as Python resolves them:
+
+- `import shadefs.a.b` and `from shadefs.a import b` (b a module) import shadefs.a.b;
+  `from shadefs.a.b import name` (name not a module) imports shadefs.a.b;
+- importing shadefs.a.b runs the package `__init__` of shadefs.a first, so it is an edge to
+  shadefs.a too (and a package's `__init__` is a module like any other).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "shadefs"
+MAX_LINES = 450
+UI_LIBRARIES = ("rich", "tqdm", "matplotlib", "torch", "PIL")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules that module `name` imports, anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets.add(mod)
+            targets.update(f"{mod}.{alias.name}" for alias in node.names)
+    found = set()
+    for target in targets:
+        if target in modules:
+            found.add(target)
+            found.update(a for a in _ancestors(target) if a in modules)
+    found.discard(name)
+    # A module's own package is initialised before it: that is not a dependency it chose.
+    return found - set(_ancestors(name))
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The components of more than one module (Tarjan): each one holds a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One concrete cycle per strongly connected component."""
+    return [_cycle_in(graph, set(comp)) for comp in strongly_connected(graph)]
+
+
+def _cycle_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """A concrete cycle through the first module of a strongly connected component."""
+    start = min(comp)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in component {sorted(comp)}")
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    """The walker itself: TYPE_CHECKING, function-level, relative and package imports."""
+    graph = import_graph()
+    assert "shadefs.cli.commands" in graph["shadefs.cli"]  # a package __init__ is a module
+    assert "shadefs.daemon" in graph["shadefs.cli.commands"]  # imported inside a function
+    assert "shadefs.sampling.wire" in graph["shadefs.torch.sampler"]  # `from pkg import mod`
+    assert "shadefs.sampling" in graph["shadefs.torch.sampler"]  # its package runs first
+    cyclic = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(cyclic) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    report = [
+        f"  {' -> '.join(_cycle_in(graph, set(comp)))}\n    (all tangled: {', '.join(comp)})"
+        for comp in strongly_connected(graph)
+    ]
+    assert not report, (
+        "import cycles in shadefs/ (TYPE_CHECKING and function-level imports count):\n"
+        + "\n".join(report)
+    )
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by what they own): {long}"
+
+
+def test_the_daemon_imports_no_ui_library() -> None:
+    code = "import shadefs.daemon, sys; print('\\n'.join(sorted(sys.modules)))"
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    loaded = set(res.stdout.split())
+    found = sorted(m for m in loaded if m.split(".")[0] in UI_LIBRARIES)
+    assert not found, f"importing shadefs.daemon loads UI libraries or torch: {found}"
