@@ -8,9 +8,15 @@ evict for them. It never chooses victims itself.
 Files larger than `max_entry` are not cached: they are read through (pass-through) with
 positional reads on a source descriptor, so they read correctly whatever the budget.
 
+The cache owns its prefetcher (prefetch.py): it builds it and hands it the two callables
+the prefetcher needs, so that neither module imports the other's users. It also builds the
+policies by name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
+`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher.
+
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
-the code between two awaits is a critical section. The only await is the source fetch in
-`_fetch`; after it, the state is re-read rather than trusted from before.
+the code between two awaits is a critical section. The awaits of the data path are the SSD
+lookup and the source fetch in `open`; after each, the state is re-read rather than
+trusted from before.
 """
 
 from __future__ import annotations
@@ -19,20 +25,18 @@ import errno
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Set
 
 import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.policy import Policy
+from shadefs.cache.policy import POLICIES, Policy, make_policy
+from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import Signature
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
-
-if TYPE_CHECKING:
-    from shadefs.cache.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +73,22 @@ class Cache:
     def __init__(
         self,
         source: Source,
-        policy: Policy,
         metrics: Metrics,
         *,
         capacity: int,
+        policy: str = "epoch",
+        score_of: Callable[[int], float] | None = None,
         max_entry: int | None = None,
         ssd: SsdTier | None = None,
+        prefetch: PrefetchSettings | None = None,
     ) -> None:
+        """`policy` names the policy of every tier (ValueError if unknown); `score_of` gives
+        a key's importance to the `shade` policy; `prefetch` None turns prefetching off."""
         self.source = source
-        self.policy = policy
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
+        self._score_of = score_of
         self.ssd = ssd
         self.entries: dict[int, Entry] = {}
         self.used = 0
@@ -90,8 +98,26 @@ class Cache:
         self.shared_fetches = 0
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
-        self.prefetcher: Prefetcher | None = None
         self._flights: dict[int, _Flight] = {}
+        self.prefetcher: Prefetcher | None = None
+        if prefetch is not None:
+            self.prefetcher = Prefetcher(
+                self.fetch_ahead,
+                self.tier_of,
+                window=prefetch.window,
+                max_workers=prefetch.max_workers,
+                abandon_after=prefetch.abandon_after,
+            )
+        self.policy = self._make_policy(policy)
+        if ssd is not None:
+            ssd.policy = self._make_policy(policy)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
+        if self.ssd is not None:
+            self.ssd.start(nursery)
+        if self.prefetcher is not None:
+            self.prefetcher.start(nursery)
 
     @property
     def max_entry(self) -> int:
@@ -235,12 +261,21 @@ class Cache:
                 self.evictions += 1
         # Entries that are now above max_entry stay until evicted: they are still valid.
 
-    def set_policy(self, policy: Policy, ssd_policy: Policy | None = None) -> None:
-        """Switch policies, handing the new ones every resident entry."""
+    policies = POLICIES
+
+    def _make_policy(self, name: str) -> Policy:
+        next_use = self.prefetcher.next_use if self.prefetcher is not None else None
+        return make_policy(name, self._score_of, next_use)
+
+    def set_policy(self, name: str) -> None:
+        """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
+        it every resident entry."""
+        policy = self._make_policy(name)
+        ssd_policy = self._make_policy(name)
         for key, entry in self.entries.items():
             policy.inserted(key, len(entry.data))
         self.policy = policy
-        if self.ssd is not None and ssd_policy is not None:
+        if self.ssd is not None:
             for key, (_, disk) in self.ssd.index.items():
                 ssd_policy.inserted(key, disk)
             self.ssd.policy = ssd_policy
@@ -265,7 +300,7 @@ class Cache:
 
     def resident_keys(self) -> np.ndarray:
         """Every cached key in any tier, as uint64 (the order builder's resident set)."""
-        keys = self.entries.keys()
+        keys: Set[int] = self.entries.keys()
         if self.ssd is not None:
             keys = keys | self.ssd.index.keys()
         return np.fromiter(keys, dtype=np.uint64, count=len(keys))

@@ -24,8 +24,12 @@ Scheduling (Lobster):
 
 A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
 or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
-then dropped and counted as wasted. All tasks run in the daemon's nursery and stop with it
-at unmount.
+then dropped and counted as wasted. `start` runs the scheduler in the nursery it is handed
+(the daemon's), so it stops with it at unmount.
+
+The cache owns the prefetcher and hands it two callables at construction, `fetch_ahead` (a
+fetch that shares single-flight with readers and admits nothing) and `tier_of` (is a key
+cached already): this module knows nothing else of the cache.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyfuse3
@@ -42,9 +46,6 @@ import trio
 
 from shadefs.cache.ssd_store import Signature
 from shadefs.stats import PrefetchStats
-
-if TYPE_CHECKING:
-    from shadefs.cache.coordinator import Cache
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,19 @@ _RATE_EVERY = 16
 _MATCH_AHEAD = 4096
 _DEFAULT_RATE = 100.0  # reads/s assumed for a plan before it has been observed
 _EWMA = 0.2
+
+# The cache's fetch for the prefetcher: (bytes, signature), or None when a reader is already
+# fetching the file (the reader will cache it).
+FetchAhead = Callable[[int, bytes], Awaitable[tuple[bytes, Signature] | None]]
+
+
+@dataclass(frozen=True)
+class PrefetchSettings:
+    """How much the prefetcher may stage and fetch at once (the mount's --prefetch-*)."""
+
+    window: int  # bytes staged or in flight
+    max_workers: int = 16
+    abandon_after: float = 60.0  # seconds without progress before a plan is dropped
 
 
 class Plan:
@@ -143,13 +157,15 @@ class Prefetcher:
 
     def __init__(
         self,
-        cache: Cache,
+        fetch_ahead: FetchAhead,
+        tier_of: Callable[[int], int],
         *,
         window: int,
         max_workers: int = 16,
         abandon_after: float = 60.0,
     ) -> None:
-        self.cache = cache
+        self._fetch_ahead = fetch_ahead
+        self._tier_of = tier_of
         self.window = window
         self.max_workers = max_workers
         self.abandon_after = abandon_after
@@ -245,10 +261,14 @@ class Prefetcher:
                     break  # window full for now: try the next plan
                 plan.frontier += 1
                 key = int(plan.keys[pos])
-                if key in self.staged or key in self._inflight or self.cache.tier_of(key):
+                if key in self.staged or key in self._inflight or self._tier_of(key):
                     continue
                 return plan, pos
         return None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Run the scheduler in `nursery` until it is cancelled (unmount)."""
+        nursery.start_soon(self.run)
 
     async def run(self) -> None:
         """The scheduler; runs until cancelled (unmount)."""
@@ -271,7 +291,7 @@ class Prefetcher:
     async def _fetch(self, key: int, path: bytes, size: int) -> None:
         t0 = time.monotonic()
         try:
-            fetched = await self.cache.fetch_ahead(key, path)
+            fetched = await self._fetch_ahead(key, path)
         except pyfuse3.FUSEError as exc:
             self.errors += 1
             log.debug("prefetch of %r failed: errno %d", path, exc.errno)
@@ -287,7 +307,7 @@ class Prefetcher:
         self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
         self.fetched += 1
         self.fetched_bytes += len(data)
-        if key in self.staged or self.cache.tier_of(key) or not self._planned(key):
+        if key in self.staged or self._tier_of(key) or not self._planned(key):
             return
         self.staged[key] = (data, sig)
         self.staged_bytes += len(data)

@@ -219,6 +219,13 @@ class SsdTier:
 
     # --- restore and watermarks ---------------------------------------------------------
 
+    def start(self, nursery: trio.Nursery, writers: int = 4) -> None:
+        """Start the restore, the evictor and the write-behind workers in `nursery`."""
+        nursery.start_soon(self.restore)
+        nursery.start_soon(self.evictor)
+        for _ in range(writers):
+            nursery.start_soon(self.writer)
+
     async def restore(self) -> None:
         """Rebuild the index from the store's scan, in the background."""
         t0 = time.monotonic()
