@@ -1,8 +1,12 @@
-"""The daemon: build the filesystem objects, mount, serve, and unmount cleanly.
+"""The daemon: mount one Service, serve its requests, and unmount cleanly.
+
+The parts of a mount and what control asks of them are the service object's
+(shadefs/service.py); this module owns the process around it: logging, the mount itself,
+the nursery in which the parts' tasks run, signals, the Prometheus endpoint, and readiness.
 
 Readiness means the mount answers. After pyfuse3.init the daemon stats its own mount point
 from a worker thread while the request loop runs, and only then reports ready: on the pipe
-of a background mount (mount.py), or as READY=1 to systemd with `--systemd`.
+of a background mount (cli/background.py), or as READY=1 to systemd with `--systemd`.
 """
 
 from __future__ import annotations
@@ -12,30 +16,17 @@ import logging.handlers
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pyfuse3
 import trio
 
-from shadefs.cache.coordinator import Cache
-from shadefs.cache.policy import make_policy
-from shadefs.cache.prefetch import Prefetcher
-from shadefs.cache.ssd_store import CacheLocked, SsdStore
-from shadefs.cache.ssd_tier import SsdTier
-from shadefs.common import EXIT_CACHE_LOCKED, EXIT_MOUNT_FAILED, EXIT_USAGE, QuietError
-from shadefs.control.files import Control
-from shadefs.fs.namespace import Namespace
-from shadefs.fs.operations import Operations
-from shadefs.options import MountOptions, check_environment
-from shadefs.sampling.registry import Sampling
-from shadefs.source import Source
-from shadefs.stats import Metrics, Stats, snapshot
+from shadefs.common import EXIT_MOUNT_FAILED, QuietError
+from shadefs.options import MountOptions
+from shadefs.service import Service
+from shadefs.stats import Stats
 
 log = logging.getLogger(__name__)
-
-# Set once the mount has answered its first request (see _run's cleanup).
-_READY = False
 
 
 def setup_logging(opts: MountOptions) -> None:
@@ -72,10 +63,13 @@ class _JournalFormatter(logging.Formatter):
 
 
 def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
-    """Mount and serve until unmounted or signalled. Returns the exit code."""
+    """Mount and serve until unmounted or signalled. Returns the exit code.
+
+    The caller has checked the environment (cli/background.py's check_environment).
+    """
     setup_logging(opts)
     try:
-        return _run(opts, ready_fd)
+        return Daemon(opts, ready_fd).run()
     except QuietError as exc:
         _report(ready_fd, str(exc))
         raise
@@ -95,96 +89,6 @@ def _report(ready_fd: int | None, msg: str) -> None:
         pass
 
 
-def ssd_defaults(path: str, size: int | None, min_free: int | None) -> tuple[int, int]:
-    """(budget, free-space floor) for a cache directory.
-
-    By default the floor is 5% of the cache filesystem (at most 1 GiB) and the budget 80% of
-    what is free above it when the cache is created. The budget is recorded in DIR/budget
-    and reused by later mounts that give no SIZE: recomputed from the free space, it would
-    shrink on every remount by what the cache itself already occupies.
-    """
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    sv = os.statvfs(path)
-    total, free = sv.f_blocks * sv.f_frsize, sv.f_bavail * sv.f_frsize
-    floor = min(total // 20, 1 << 30) if min_free is None else min_free
-    record = Path(path) / "budget"
-    if size is None:
-        try:
-            size = int(record.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            size = int(max(free - floor, 0) * 0.8)
-    try:
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(f"{size}\n")
-        tmp.replace(record)
-    except OSError as exc:
-        log.warning("cannot record the SSD budget in %s: %s", record, exc.strerror)
-    return size, floor
-
-
-def build(opts: MountOptions) -> tuple[Operations, dict[str, object]]:
-    """The filesystem objects for `opts` (also used by tests that drive handlers directly)."""
-    source = Source(opts.source, max_threads=opts.source_threads, timeout=opts.source_timeout)
-    ns = Namespace(source, timeout=opts.revalidate, revalidate=opts.revalidate)
-    metrics = Metrics()
-    sampling = Sampling()
-    ssd = None
-    if opts.ssd:
-        budget, floor = ssd_defaults(opts.ssd, opts.ssd_size, opts.ssd_min_free)
-        try:
-            store = SsdStore(Path(opts.ssd), budget, min_free=floor)
-        except CacheLocked as exc:
-            raise QuietError(str(exc), EXIT_CACHE_LOCKED) from None
-        except OSError as exc:
-            raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
-        ssd = SsdTier(store, make_policy("epoch"), ns.key_of_ino)
-    cache = Cache(
-        source,
-        make_policy("epoch"),
-        metrics,
-        capacity=opts.ram,
-        max_entry=opts.max_entry,
-        ssd=ssd,
-    )
-    prefetcher = None
-    if opts.prefetch:
-        window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
-        prefetcher = Prefetcher(
-            cache,
-            window=window,
-            max_workers=opts.prefetch_workers,
-            abandon_after=opts.prefetch_abandon,
-        )
-        cache.prefetcher = prefetcher
-    next_use = prefetcher.next_use if prefetcher else None
-    cache.set_policy(
-        make_policy(opts.policy, sampling.score_of, next_use),
-        make_policy(opts.policy, sampling.score_of, next_use),
-    )
-    mnt = os.path.abspath(opts.mountpoint)
-
-    def stats() -> Stats:
-        return snapshot(
-            mnt,
-            metrics,
-            source=source,
-            namespace=ns,
-            cache=cache,
-            sampling=sampling,
-            prefetcher=prefetcher,
-        )
-
-    control = Control(cache, metrics, ns, sampling, stats, prefetcher=prefetcher)
-    ops = Operations(ns, cache, control, metrics, source)
-    parts = {"source": source, "ns": ns, "cache": cache, "metrics": metrics}
-    parts["sampling"] = sampling
-    parts["control"] = control
-    parts["ssd"] = ssd
-    parts["stats"] = stats
-    parts["prefetcher"] = prefetcher
-    return ops, parts
-
-
 def fuse_options(opts: MountOptions) -> set[str]:
     fsname = os.path.abspath(opts.source)
     # libfuse splits options on commas; keep the source out of fsname if it has one.
@@ -198,76 +102,83 @@ def fuse_options(opts: MountOptions) -> set[str]:
     return options
 
 
-def _run(opts: MountOptions, ready_fd: int | None) -> int:
-    check_environment(opts)
-    ops, parts = build(opts)
-    ssd = parts["ssd"]
-    assert ssd is None or isinstance(ssd, SsdTier)
-    mnt = os.path.abspath(opts.mountpoint)
-    token: list[trio.lowlevel.TrioToken] = []
-    if opts.metrics:
-        # Started before the mount, so that a taken port fails the mount cleanly.
-        _start_metrics(opts.metrics, parts["stats"], token)  # type: ignore[arg-type]
-    try:
-        pyfuse3.init(ops, mnt, fuse_options(opts))
-    except RuntimeError as exc:
-        raise QuietError(f"mounting {mnt} failed: {exc}", EXIT_MOUNT_FAILED) from None
-    log.info("mounted %s on %s (ram %d bytes, policy %s)", opts.source, mnt, opts.ram, opts.policy)
-    clean = False
-    try:
-        trio.run(_serve, opts, mnt, ready_fd, parts, token)
-        clean = True
-    finally:
-        # A daemon that dies while serving leaves its mount answering ENOTCONN, so that a
-        # training job cannot mistake it for an empty dataset (S3QL does the same). One
-        # that fails before it was ever ready takes its mount down with it.
-        pyfuse3.close(unmount=clean or not _READY)
-        if ssd is not None:
-            ssd.store.close()
-        log.info("unmounted %s", mnt)
-    return 0
+class Daemon:
+    """One mount's lifetime: build the service, mount, serve, unmount.
 
+    :service: the parts and their service methods
+    :ready: the mount has answered a request (a daemon that dies after that leaves its
+        mount answering ENOTCONN; one that dies before takes it down)
+    """
 
-async def _serve(
-    opts: MountOptions,
-    mnt: str,
-    ready_fd: int | None,
-    parts: dict[str, object],
-    token: list[trio.lowlevel.TrioToken],
-) -> None:
-    token.append(trio.lowlevel.current_trio_token())
-    ssd, prefetcher = parts["ssd"], parts["prefetcher"]
-    async with trio.open_nursery() as nursery:
-        if isinstance(prefetcher, Prefetcher):
-            nursery.start_soon(prefetcher.run)
-        nursery.start_soon(_signals)
-        nursery.start_soon(_announce_ready, opts, mnt, ready_fd)
-        if isinstance(ssd, SsdTier):
-            nursery.start_soon(ssd.restore)
-            nursery.start_soon(ssd.evictor)
-            for _ in range(4):
-                nursery.start_soon(ssd.writer)
-        await pyfuse3.main()
-        nursery.cancel_scope.cancel()
+    def __init__(self, opts: MountOptions, ready_fd: int | None = None) -> None:
+        self.opts = opts
+        self.ready_fd = ready_fd
+        self.service = Service(opts)
+        self.mountpoint = self.service.mountpoint
+        self.ready = False
+        self._token: trio.lowlevel.TrioToken | None = None
 
+    def run(self) -> int:
+        opts, mnt = self.opts, self.mountpoint
+        if opts.metrics:
+            # Started before the mount, so that a taken port fails the mount cleanly.
+            self._start_metrics(opts.metrics)
+        try:
+            pyfuse3.init(self.service.operations, mnt, fuse_options(opts))
+        except RuntimeError as exc:
+            raise QuietError(f"mounting {mnt} failed: {exc}", EXIT_MOUNT_FAILED) from None
+        log.info(
+            "mounted %s on %s (ram %d bytes, policy %s)", opts.source, mnt, opts.ram, opts.policy
+        )
+        clean = False
+        try:
+            trio.run(self._serve)
+            clean = True
+        finally:
+            # A daemon that dies while serving leaves its mount answering ENOTCONN, so that a
+            # training job cannot mistake it for an empty dataset (S3QL does the same). One
+            # that fails before it was ever ready takes its mount down with it.
+            pyfuse3.close(unmount=clean or not self.ready)
+            self.service.close()
+            log.info("unmounted %s", mnt)
+        return 0
 
-def _start_metrics(
-    addr: str, stats: Callable[[], Stats], token: list[trio.lowlevel.TrioToken]
-) -> None:
-    """Prometheus over HTTP. Scrapes arrive on the server's thread; the stats are computed
-    in the trio thread, where the state they read is consistent."""
-    from shadefs.ops.prom import start_server
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self.service.start(nursery)
+            nursery.start_soon(_signals)
+            nursery.start_soon(self._announce_ready)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
 
-    def threadsafe() -> Stats:
-        if not token:
-            raise RuntimeError("the daemon is still starting")
-        return trio.from_thread.run_sync(stats, trio_token=token[0])
+    def _start_metrics(self, addr: str) -> None:
+        """Prometheus over HTTP. Scrapes arrive on the server's thread; the stats are
+        computed in the trio thread, where the state they read is consistent."""
+        from shadefs.ops.prom import start_server
 
-    try:
-        host, port = start_server(addr, threadsafe)
-    except (OSError, ValueError) as exc:
-        raise QuietError(f"--metrics {addr}: {exc}", EXIT_MOUNT_FAILED) from None
-    log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+        def threadsafe() -> Stats:
+            if self._token is None:
+                raise RuntimeError("the daemon is still starting")
+            return trio.from_thread.run_sync(self.service.stats, trio_token=self._token)
+
+        try:
+            host, port = start_server(addr, threadsafe)
+        except (OSError, ValueError) as exc:
+            raise QuietError(f"--metrics {addr}: {exc}", EXIT_MOUNT_FAILED) from None
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    async def _announce_ready(self) -> None:
+        # The stat goes through the kernel to our own request loop: when it returns, the
+        # mount answers. It must run in a thread, or it would wait for the loop it blocks.
+        await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        self.ready = True
+        log.info("mount %s is ready", self.mountpoint)
+        if self.opts.systemd:
+            from shadefs.ops import sdnotify
+
+            sdnotify.ready(f"serving {self.opts.source} on {self.mountpoint}")
+        _report(self.ready_fd, "ready")
 
 
 async def _signals() -> None:
@@ -278,17 +189,3 @@ async def _signals() -> None:
                 continue
             log.info("got %s, unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
-
-
-async def _announce_ready(opts: MountOptions, mnt: str, ready_fd: int | None) -> None:
-    # The stat goes through the kernel to our own request loop: when it returns, the
-    # mount answers. It must run in a thread, or it would wait for the loop it blocks.
-    await trio.to_thread.run_sync(os.stat, mnt)
-    global _READY
-    _READY = True
-    log.info("mount %s is ready", mnt)
-    if opts.systemd:
-        from shadefs.ops import sdnotify
-
-        sdnotify.ready(f"serving {opts.source} on {mnt}")
-    _report(ready_fd, "ready")

@@ -13,7 +13,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs.control.files import DIR_INODE
+from shadefs.control.entries import DIR_INODE
 from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
 from tests.test_fs_api import lookup_path, make_fs, read_all
@@ -53,8 +53,8 @@ def dataset_tree(tmp_path: Path, n: int = 40) -> tuple[Path, list[str]]:
 
 async def test_register_losses_and_order(tmp_path: Path) -> None:
     src, paths = dataset_tree(tmp_path)
-    ops, parts = make_fs(src, ram=1000, policy="shade")
-    sampling = parts["sampling"]
+    ops, svc = make_fs(src, ram=1000, policy="shade")
+    sampling = svc.sampling
     # A registration split into 7-byte writes is assembled and applied once complete.
     await send(ops, b"dataset", wire.encode_dataset(paths), chunk=7)
     assert sampling.n == 40
@@ -77,10 +77,10 @@ async def test_register_losses_and_order(tmp_path: Path) -> None:
         assert epoch == 1 and len(share) == 20
         shares.append(share)
     both = np.concatenate(shares)
-    resident = {sampling.sample_of(k) for k in parts["cache"].entries}
+    resident = {sampling.sample_of(k) for k in svc.cache.entries}
     assert resident and any((both == r).sum() > 1 for r in resident)  # replays are visible
     assert sampling.orders_served == 2
-    assert parts["control"].stats().sampler.samples == 40
+    assert svc.stats().sampler.samples == 40
 
 
 async def test_order_reads_straight_on_after_the_request(tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ async def test_order_reads_straight_on_after_the_request(tmp_path: Path) -> None
 
 async def test_order_is_fixed_once_built_for_an_epoch(tmp_path: Path) -> None:
     src, paths = dataset_tree(tmp_path)
-    ops, parts = make_fs(src)
+    ops, svc = make_fs(src)
     await send(ops, b"dataset", wire.encode_dataset(paths))
     first = await transact(ops, b"order", wire.encode_order_request(2, 0, 2, 5))
     # Losses and cache changes between two ranks' requests must not change the epoch.
@@ -124,13 +124,13 @@ async def test_residency_reports_tiers(tmp_path: Path) -> None:
 
 async def test_evict_and_report_commands(tmp_path: Path) -> None:
     src, paths = dataset_tree(tmp_path, n=8)
-    ops, parts = make_fs(src, ram=1 << 20)
+    ops, svc = make_fs(src, ram=1 << 20)
     for p in paths[:3]:
         await read_all(ops, await lookup_path(ops, p))
     await send(ops, b"ctl", f"evict {paths[0]} {paths[1]}\n".encode())
-    assert len(parts["cache"].entries) == 1
+    assert len(svc.cache.entries) == 1
     await send(ops, b"ctl", b"report epoch=3 train_loss=0.5 val_accuracy=0.9\nreplay auto\n")
-    assert parts["sampling"].epoch == 3
+    assert svc.sampling.epoch == 3
     for bad in (
         f"evict {paths[2]} ../etc/passwd\n",
         "evict /abs/path\n",
@@ -143,12 +143,12 @@ async def test_evict_and_report_commands(tmp_path: Path) -> None:
         with pytest.raises(pyfuse3.FUSEError) as e:
             await send(ops, b"ctl", bad.encode())
         assert e.value.errno == errno.EINVAL, bad
-    assert len(parts["cache"].entries) == 1  # nothing applied from the rejected writes
+    assert len(svc.cache.entries) == 1  # nothing applied from the rejected writes
 
 
 async def test_bad_stream_poisons_the_descriptor(tmp_path: Path) -> None:
     src, paths = dataset_tree(tmp_path, n=8)
-    ops, parts = make_fs(src)
+    ops, svc = make_fs(src)
     fi = await ops.open(await ctl_ino(ops, b"dataset"), os.O_WRONLY, CTX)
     with pytest.raises(pyfuse3.FUSEError):
         await ops.write(fi.fh, 0, wire.encode_dataset(paths[:2] + ["no/such/file"]))
@@ -156,8 +156,8 @@ async def test_bad_stream_poisons_the_descriptor(tmp_path: Path) -> None:
     with pytest.raises(pyfuse3.FUSEError):
         await ops.write(fi.fh, 0, wire.encode_dataset(paths))
     await ops.release(fi.fh)
-    assert parts["sampling"].n == 0
-    assert "not a regular file" in parts["control"].last_result
+    assert svc.sampling.n == 0
+    assert "not a regular file" in svc.control.last_result
 
 
 # --- hostile input: every control entry, EINVAL only, state unchanged -------------------
@@ -165,8 +165,8 @@ async def test_bad_stream_poisons_the_descriptor(tmp_path: Path) -> None:
 _ENTRIES = [b"ctl", b"dataset", b"losses", b"order", b"residency"]
 
 
-def _state(parts) -> tuple:
-    s, c = parts["sampling"], parts["cache"]
+def _state(svc) -> tuple:
+    s, c = svc.sampling, svc.cache
     return (
         s.n,
         s.table.scores.tobytes(),
@@ -207,10 +207,10 @@ def test_hostile_input_is_einval_and_changes_nothing(tmp_path_factory, entry, pa
         src = tmp_path_factory.getbasetemp() / "hostile-src"
         if not src.exists():
             make_tree(src, {f"c/s{i}.bin": b"x" * 50 for i in range(6)})
-        ops, parts = make_fs(src, ram=1000)
+        ops, svc = make_fs(src, ram=1000)
         await send(ops, b"dataset", wire.encode_dataset([f"c/s{i}.bin" for i in range(6)]))
         await send(ops, b"ctl", b"replay 2\n")
-        before = _state(parts)
+        before = _state(svc)
         fi = await ops.open(
             await ctl_ino(ops, entry), os.O_RDWR if entry != b"losses" else os.O_WRONLY, CTX
         )
@@ -218,7 +218,7 @@ def test_hostile_input_is_einval_and_changes_nothing(tmp_path_factory, entry, pa
             await ops.write(fi.fh, 0, payload)
         except pyfuse3.FUSEError as exc:
             assert exc.errno == errno.EINVAL
-            assert _state(parts) == before
+            assert _state(svc) == before
         finally:
             await ops.release(fi.fh)
 

@@ -11,20 +11,23 @@ import pyfuse3
 import pytest
 import trio
 
-from shadefs.control.files import DIR_INODE, NAME
-from shadefs.daemon import build
+from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.fs.namespace import ROOT_INODE
+from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
+from shadefs.service import Service
 from tests.conftest import FakeCtx, make_tree
 
 CTX = FakeCtx()
 
 
-def make_fs(src: Path, **kw):
+def make_fs(src: Path, **kw) -> tuple[Operations, Service]:
+    """The handlers of a service built for `src`, and the service (its parts)."""
     opts = MountOptions(
         source=str(src), mountpoint="/nonexistent", ram=kw.pop("ram", 1 << 20), **kw
     )
-    return build(opts)
+    service = Service(opts)
+    return service.operations, service
 
 
 async def lookup_path(ops, rel: str) -> int:
@@ -60,7 +63,7 @@ async def readdir_names(ops, ino: int) -> list[bytes]:
 
 async def test_lookup_getattr_read_and_stable_inodes(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"a/b/c.bin": os.urandom(5000), "top.txt": b"x"})
-    ops, parts = make_fs(src)
+    ops, svc = make_fs(src)
     ino = await lookup_path(ops, "a/b/c.bin")
     attrs = await ops.getattr(ino, CTX)
     assert attrs.st_size == 5000
@@ -68,7 +71,7 @@ async def test_lookup_getattr_read_and_stable_inodes(tmp_path: Path) -> None:
     assert await read_all(ops, ino) == (src / "a/b/c.bin").read_bytes()
     # Forgotten and looked up again: the same inode number.
     await ops.forget([(ino, 1)])
-    assert ino not in parts["ns"].nodes
+    assert ino not in svc.namespace.nodes
     assert await lookup_path(ops, "a/b/c.bin") == ino
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.lookup(ROOT_INODE, b"missing", CTX)
@@ -77,11 +80,11 @@ async def test_lookup_getattr_read_and_stable_inodes(tmp_path: Path) -> None:
 
 async def test_forget_bounds_the_table(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {f"d/f{i}": b"." for i in range(200)})
-    ops, parts = make_fs(src)
+    ops, svc = make_fs(src)
     d = await lookup_path(ops, "d")
     names = await readdir_names(ops, d)
     assert len(names) == 200
-    ns = parts["ns"]
+    ns = svc.namespace
     assert len(ns.nodes) == 202  # root, d, 200 files counted by readdirplus
     await ops.forget([(ns.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
     assert len(ns.nodes) == 2
@@ -122,8 +125,8 @@ async def test_control_dir_hidden_but_reachable(tmp_path: Path) -> None:
 async def test_hits_misses_and_budget(tmp_path: Path) -> None:
     files = {f"f{i}": os.urandom(1000) for i in range(10)}
     src = make_tree(tmp_path / "src", files)
-    ops, parts = make_fs(src, ram=4000, max_entry=1000)
-    cache, metrics = parts["cache"], parts["metrics"]
+    ops, svc = make_fs(src, ram=4000, max_entry=1000)
+    cache, metrics = svc.cache, svc.metrics
     inos = [await lookup_path(ops, name) for name in files]
     for ino, data in zip(inos, files.values(), strict=True):
         assert await read_all(ops, ino) == data
@@ -133,23 +136,23 @@ async def test_hits_misses_and_budget(tmp_path: Path) -> None:
     for ino in inos:
         await read_all(ops, ino)
     assert metrics.hits == 4 and metrics.misses == 16
-    assert parts["source"].bytes_read == 16 * 1000
+    assert svc.source.bytes_read == 16 * 1000
 
 
 async def test_large_file_passes_through(tmp_path: Path) -> None:
     big = os.urandom(300_000)
     src = make_tree(tmp_path / "src", {"big": big})
-    ops, parts = make_fs(src, ram=100_000)
+    ops, svc = make_fs(src, ram=100_000)
     ino = await lookup_path(ops, "big")
     assert await read_all(ops, ino) == big
-    assert parts["cache"].used == 0
-    assert parts["metrics"].passthrough_opens == 1
+    assert svc.cache.used == 0
+    assert svc.metrics.passthrough_opens == 1
 
 
 async def test_concurrent_misses_fetch_once(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"f": os.urandom(10_000)})
-    ops, parts = make_fs(src, ram=1 << 20)
-    source = parts["source"]
+    ops, svc = make_fs(src, ram=1 << 20)
+    source = svc.source
     ino = await lookup_path(ops, "f")
     real = source.read_file
     calls = 0
@@ -170,7 +173,7 @@ async def test_concurrent_misses_fetch_once(tmp_path: Path) -> None:
         for _ in range(8):
             n.start_soon(reader)
     assert calls == 1 and len(datas) == 8
-    assert parts["cache"].shared_fetches == 7
+    assert svc.cache.shared_fetches == 7
     assert all(d == (src / "f").read_bytes() for d in datas)
 
 
@@ -196,8 +199,8 @@ async def test_write_operations_fail_with_erofs(tmp_path: Path) -> None:
 
 async def test_ctl_validates_whole_write(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {f"f{i}": b"x" * 100 for i in range(5)})
-    ops, parts = make_fs(src, ram=10_000)
-    cache = parts["cache"]
+    ops, svc = make_fs(src, ram=10_000)
+    cache = svc.cache
     for i in range(5):
         await read_all(ops, await lookup_path(ops, f"f{i}"))
     ctl = (await ops.lookup(DIR_INODE, b"ctl", CTX)).st_ino

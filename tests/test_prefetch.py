@@ -99,9 +99,16 @@ def test_belady_never_evicts_what_is_needed_sooner() -> None:
 # --- the prefetcher's scheduling ----------------------------------------------------------
 
 
-class _FakeCache:
-    def tier_of(self, key: int) -> int:
-        return 0
+def _not_cached(key: int) -> int:
+    return 0
+
+
+async def _never_fetched(key: int, path: bytes) -> None:
+    raise AssertionError("the scheduling tests fetch nothing")
+
+
+def _prefetcher(window: int, **kw) -> Prefetcher:
+    return Prefetcher(_never_fetched, _not_cached, window=window, **kw)
 
 
 def _plan(name: str, keys: list[int], size: int = 100) -> Plan:
@@ -110,7 +117,7 @@ def _plan(name: str, keys: list[int], size: int = 100) -> Plan:
 
 
 def test_the_reader_with_least_buffered_ahead_goes_first() -> None:
-    pf = Prefetcher(_FakeCache(), window=10_000)  # type: ignore[arg-type]
+    pf = _prefetcher(10_000)
     a, b = _plan("a", list(range(0, 50))), _plan("b", list(range(100, 150)))
     pf.add_plan(a)
     pf.add_plan(b)
@@ -120,7 +127,7 @@ def test_the_reader_with_least_buffered_ahead_goes_first() -> None:
 
 
 def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
-    pf = Prefetcher(_FakeCache(), window=250)  # type: ignore[arg-type]
+    pf = _prefetcher(250)
     pf.add_plan(_plan("a", [1, 2, 3, 4], size=100))
     first = pf._next_item()
     pf._inflight[1] = 100
@@ -129,13 +136,13 @@ def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
     pf._inflight[2] = 100
     pf._inflight_bytes = 200
     assert first and second and pf._next_item() is None  # 300 would exceed the window
-    big = Prefetcher(_FakeCache(), window=50)  # type: ignore[arg-type]
+    big = _prefetcher(50)
     big.add_plan(_plan("b", [1, 2], size=100))
     assert big._next_item() is None and big.skipped == 2
 
 
 def test_concurrency_follows_littles_law() -> None:
-    pf = Prefetcher(_FakeCache(), window=10_000, max_workers=16)  # type: ignore[arg-type]
+    pf = _prefetcher(10_000, max_workers=16)
     p = _plan("a", list(range(100)))
     pf.add_plan(p)
     p.rate, pf.latency = 200.0, 0.005  # 200 reads/s, 5 ms per fetch: ~1 in flight

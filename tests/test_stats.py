@@ -91,10 +91,10 @@ def test_the_text_form() -> None:
 
 async def test_a_built_daemon_describes_every_part(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {f"d/{i}.bin": bytes(100) for i in range(5)})
-    ops, parts = make_fs(src, ssd=str(tmp_path / "ssd"), ssd_size=1 << 20, policy="shade")
+    ops, svc = make_fs(src, ssd=str(tmp_path / "ssd"), ssd_size=1 << 20, policy="shade")
     await read_all(ops, await lookup_path(ops, "d/1.bin"))
     await read_all(ops, await lookup_path(ops, "d/1.bin"))
-    s = parts["stats"]()
+    s = svc.stats()
     assert isinstance(s, Stats)
     assert (s.counters.hits, s.counters.misses) == (1, 1)
     assert s.source.bytes_read == 100 and s.cache.ram.entries == 1

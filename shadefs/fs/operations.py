@@ -22,14 +22,16 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar, cast
 
 import pyfuse3
 import trio
+from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
 from shadefs.cache.coordinator import Cache
-from shadefs.control.files import DIR_INODE, NAME, Control
+from shadefs.control.entries import DIR_INODE, NAME
+from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.source import Source
 from shadefs.stats import Metrics
@@ -46,7 +48,7 @@ def _erofs() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
 
 
-async def _invalidate_attrs(inode: int) -> None:
+async def _invalidate_attrs(inode: InodeT) -> None:
     """Make the kernel forget a changed file's attributes (size, mtime).
 
     Attribute-only invalidation takes no page locks, and it runs in a thread, so it cannot
@@ -101,35 +103,35 @@ class Operations(pyfuse3.Operations):
         self.control = control
         self.metrics = metrics
         self.source = source
-        self._mem: dict[int, memoryview] = {}
-        self._fds: dict[int, int] = {}
+        self._mem: dict[FileHandleT, memoryview] = {}
+        self._fds: dict[FileHandleT, int] = {}
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
 
     async def lookup(
-        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+        self, parent_inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         if parent_inode == ROOT_INODE and name == NAME or Control.owns(parent_inode):
             return self.control.lookup(parent_inode, name)
         ino, st = await self.ns.lookup(parent_inode, name)
         return self.ns.attrs(ino, st)
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
-        self.ns.forget(inode_list)
+    async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
+        self.ns.forget(list(inode_list))
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
             return self.control.attrs(inode)
         return self.ns.attrs(inode, self.ns.node(inode).st)
 
-    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+    async def readlink(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> bytes:
         node = self.ns.node(inode)
         if not stat.S_ISLNK(node.st.st_mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return await self.source.readlink(node.path)
 
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> FileHandleT:
         if inode == DIR_INODE:
             self.control.check_access(ctx)
             return inode
@@ -137,10 +139,10 @@ class Operations(pyfuse3.Operations):
         await self.ns.listing(inode)
         return inode
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         if fh == DIR_INODE:
-            for i, (name, attrs) in enumerate(self.control.listing()):
-                if i >= start_id and not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+            for i, (name, entry) in enumerate(self.control.listing()):
+                if i >= start_id and not pyfuse3.readdir_reply(token, name, entry, i + 1):
                     break
             return
         listing = await self.ns.listing(fh)
@@ -164,7 +166,7 @@ class Operations(pyfuse3.Operations):
             # An accepted readdirplus entry is a lookup: the kernel will forget it later.
             remember(ino, ppath + b"/" + name if ppath else name, st)
 
-    async def releasedir(self, fh: int) -> None:
+    async def releasedir(self, fh: FileHandleT) -> None:
         pass
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -184,19 +186,21 @@ class Operations(pyfuse3.Operations):
             setattr(out, field, getattr(sv, field))
         return out
 
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+    async def getxattr(self, inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if Control.owns(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
         return await self.source.getxattr(self.ns.node(inode).path, name)
 
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+    async def listxattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if Control.owns(inode):
             return []
         return await self.source.listxattr(self.ns.node(inode).path)
 
     # --- data -------------------------------------------------------------------------
 
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo:
         if Control.owns(inode):
             return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
@@ -222,10 +226,11 @@ class Operations(pyfuse3.Operations):
         # Pass-through files are not resident: do not let the kernel keep stale pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
-            chunk = mv[off : off + size]
+            # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
+            chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
             chunk = await self.source.pread(self._fds[fh], size, off)
         else:
@@ -233,7 +238,7 @@ class Operations(pyfuse3.Operations):
         self.metrics.bytes_served += len(chunk)
         return chunk
 
-    async def release(self, fh: int) -> None:
+    async def release(self, fh: FileHandleT) -> None:
         if self._mem.pop(fh, None) is not None:
             return
         fd = self._fds.pop(fh, None)
@@ -242,17 +247,17 @@ class Operations(pyfuse3.Operations):
         elif self.control.owns_handle(fh):
             self.control.release(fh)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         if self.control.owns_handle(fh):
             return await self.control.write(fh, buf)
         raise _erofs()
 
     async def setattr(
         self,
-        inode: int,
+        inode: InodeT,
         attr: pyfuse3.EntryAttributes,
         fields: pyfuse3.SetattrFields,
-        fh: int | None,
+        fh: FileHandleT | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         # `echo cmd > ctl` truncates first; truncating a control file is a no-op.
@@ -262,32 +267,76 @@ class Operations(pyfuse3.Operations):
 
     # --- everything that would change the tree ------------------------------------------
 
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
+    async def mknod(
+        self,
+        parent_inode: InodeT,
+        name: FileNameT,
+        mode: ModeT,
+        rdev: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         raise _erofs()
 
-    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def]
+    async def mkdir(
+        self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         raise _erofs()
 
-    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def unlink(
+        self, parent_inode: InodeT, name: FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
         raise _erofs()
 
-    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def rmdir(
+        self, parent_inode: InodeT, name: FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
         raise _erofs()
 
-    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def]
+    async def symlink(
+        self,
+        parent_inode: InodeT,
+        name: FileNameT,
+        target: FileNameT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         raise _erofs()
 
-    async def rename(self, parent_old, name_old, parent_new, name_new, flags, ctx):  # type: ignore[no-untyped-def]
+    async def rename(
+        self,
+        parent_inode_old: InodeT,
+        name_old: FileNameT,
+        parent_inode_new: InodeT,
+        name_new: FileNameT,
+        flags: FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         raise _erofs()
 
-    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def]
+    async def link(
+        self,
+        inode: InodeT,
+        new_parent_inode: InodeT,
+        new_name: FileNameT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         raise _erofs()
 
-    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def create(
+        self,
+        parent_inode: InodeT,
+        name: FileNameT,
+        mode: ModeT,
+        flags: FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         raise _erofs()
 
-    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def]
+    async def setxattr(
+        self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
         raise _erofs()
 
-    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def removexattr(
+        self, inode: InodeT, name: XAttrNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
         raise _erofs()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import trio
 
-from shadefs.cli.background import MountOptions
-from shadefs.daemon import build
 from shadefs.fs.namespace import ROOT_INODE
+from shadefs.options import MountOptions
+from shadefs.service import Service
 
 
 class _Ctx:
@@ -41,7 +41,7 @@ def main() -> None:
         src.mkdir()
         for i in range(args.files):
             (src / f"f{i}").write_bytes(os.urandom(args.size))
-        ops, _ = build(MountOptions(source=tmp, mountpoint="/unused", ram=1 << 30))
+        ops = Service(MountOptions(source=tmp, mountpoint="/unused", ram=1 << 30)).operations
 
         async def run() -> float:
             d = (await ops.lookup(ROOT_INODE, b"d", _Ctx)).st_ino

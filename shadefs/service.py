@@ -1,0 +1,288 @@
+"""The daemon's service object: it owns the parts of one mount and does what control asks.
+
+`Service(opts)` builds the parts in the order data flows, each handed what it needs at
+construction and nothing wired afterwards:
+
+    source -> namespace -> (sampling) -> SSD tier -> cache (builds its prefetcher)
+           -> control (sees this object as a ControlService) -> operations (pyfuse3)
+
+`start(nursery)` starts every part's background tasks in the nursery the daemon hands it;
+`close()` releases what outlives the request loop (the SSD directory lock). The methods
+after the parts are the business logic behind the control directory: control parses and
+validates a request, then calls them (control/service.py is the contract).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from shadefs.cache.coordinator import Cache
+from shadefs.cache.policy import make_policy
+from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
+from shadefs.cache.ssd_tier import SsdTier
+from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
+from shadefs.control.files import Control
+from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
+from shadefs.fs.namespace import Namespace
+from shadefs.fs.operations import Operations
+from shadefs.options import MountOptions
+from shadefs.sampling.registry import Sampling, SamplingError
+from shadefs.sampling.wire import OrderRequest, WireError
+from shadefs.source import Source
+from shadefs.stats import Metrics, Stats, snapshot
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """The parts of one mount, and the service methods that control calls.
+
+    :source: every access to SRC
+    :namespace: inode <-> path, stat snapshots, revalidation
+    :metrics: the data path's counters
+    :sampling: the sampler's registered dataset, importance table and orders
+    :ssd: the SSD tier, or None without --ssd
+    :cache: the tiers, their policies and (as `cache.prefetcher`) the prefetcher
+    :control: the `.shadefs` directory
+    :operations: the pyfuse3 request handlers that the daemon mounts
+    """
+
+    def __init__(self, opts: MountOptions) -> None:
+        """Build the parts for `opts`; QuietError when the SSD cache cannot be used."""
+        self.mountpoint = os.path.abspath(opts.mountpoint)
+        self.source = Source(
+            opts.source, max_threads=opts.source_threads, timeout=opts.source_timeout
+        )
+        self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
+        self.metrics = Metrics()
+        self.sampling = Sampling()
+        self.ssd = self._ssd_tier(opts) if opts.ssd else None
+        prefetch = None
+        if opts.prefetch:
+            window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
+            prefetch = PrefetchSettings(window, opts.prefetch_workers, opts.prefetch_abandon)
+        self.cache = Cache(
+            self.source,
+            self.metrics,
+            capacity=opts.ram,
+            policy=opts.policy,
+            score_of=self.sampling.score_of,
+            max_entry=opts.max_entry,
+            ssd=self.ssd,
+            prefetch=prefetch,
+        )
+        self.control = Control(self, self.stats, self.metrics)
+        self.operations = Operations(
+            self.namespace, self.cache, self.control, self.metrics, self.source
+        )
+
+    def _ssd_tier(self, opts: MountOptions) -> SsdTier:
+        assert opts.ssd is not None
+        budget, floor = ssd_defaults(opts.ssd, opts.ssd_size, opts.ssd_min_free)
+        try:
+            store = SsdStore(Path(opts.ssd), budget, min_free=floor)
+        except CacheLocked as exc:
+            raise QuietError(str(exc), EXIT_CACHE_LOCKED) from None
+        except OSError as exc:
+            raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
+        # The cache gives the tier its real policy; this one only stands in until then.
+        return SsdTier(store, make_policy("epoch"), self.namespace.key_of_ino)
+
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        """The cache's prefetcher (None with --no-prefetch)."""
+        return self.cache.prefetcher
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the parts' background tasks (SSD restore and writers, prefetching)."""
+        self.cache.start(nursery)
+
+    def close(self) -> None:
+        """Release the SSD cache directory; call after the request loop has ended."""
+        if self.ssd is not None:
+            self.ssd.store.close()
+
+    def stats(self) -> Stats:
+        """Everything stats.json reports, from each part's describe() (in the trio thread)."""
+        return snapshot(
+            self.mountpoint,
+            self.metrics,
+            source=self.source,
+            namespace=self.namespace,
+            cache=self.cache,
+            sampling=self.sampling,
+            prefetcher=self.prefetcher,
+        )
+
+    # --- ControlService: what can be asked for -------------------------------------------
+
+    @property
+    def policy_names(self) -> Sequence[str]:
+        return self.cache.policies
+
+    @property
+    def has_ssd(self) -> bool:
+        return self.ssd is not None
+
+    @property
+    def prefetching(self) -> bool:
+        return self.prefetcher is not None
+
+    def plan_names(self) -> list[str]:
+        return list(self.prefetcher.plans) if self.prefetcher is not None else []
+
+    async def resolve_files(self, rels: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        stats = await self.namespace.resolve(rels)
+        keys = np.empty(len(rels), dtype=np.uint64)
+        sizes = np.empty(len(rels), dtype=np.int64)
+        for i, st in enumerate(stats):
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise Rejected(f"{os.fsdecode(rels[i])!r} is not a regular file in the mount")
+            keys[i] = self.namespace.ino_of(st)
+            sizes[i] = st.st_size
+        return keys, sizes
+
+    async def residency(self, rels: list[bytes]) -> list[str]:
+        out = []
+        for st in await self.namespace.resolve(rels):
+            if st is None or not stat.S_ISREG(st.st_mode):
+                out.append("missing")
+            else:
+                # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
+                out.append(RESIDENCY_STATES[self.cache.tier_of(self.namespace.ino_of(st))])
+        return out
+
+    # --- ControlService: ctl commands -----------------------------------------------------
+
+    def set_policy(self, name: str) -> None:
+        try:
+            self.cache.set_policy(name)
+        except ValueError as exc:  # an unknown name: nothing was changed
+            raise Rejected(str(exc)) from None
+
+    def set_ram(self, size: int) -> None:
+        self.cache.set_capacity(size)
+
+    async def set_ssd(self, size: int) -> None:
+        if self.ssd is None:
+            raise Rejected("no SSD tier: mount with --ssd DIR[:SIZE]")
+        await self.ssd.set_capacity(size)
+
+    def drop_ram(self) -> int:
+        return self.cache.drop()
+
+    async def evict(self, keys: np.ndarray) -> int:
+        evicted = [await self.cache.evict(key) for key in keys.tolist()]
+        return sum(evicted)
+
+    def prefetch(
+        self, rels: list[bytes], keys: np.ndarray, sizes: np.ndarray, name: str | None = None
+    ) -> str:
+        prefetcher = self.prefetcher
+        if prefetcher is None:
+            raise Rejected("prefetching is off (mounted with --no-prefetch)")
+        name = name or f"ctl:{len(prefetcher.plans)}"
+        prefetcher.add_plan(Plan(name, keys, rels, sizes))
+        return name
+
+    def drop_plans(self, names: Sequence[str]) -> int:
+        if self.prefetcher is None:
+            return 0
+        return sum(self.prefetcher.drop_plan(name) for name in names)
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.sampling.begin_epoch(epoch)
+        self.cache.begin_epoch(epoch)
+
+    def report(
+        self, epoch: int | None, train_loss: float | None, val_accuracy: float | None
+    ) -> str:
+        with _refusing():
+            result = self.sampling.report(epoch, train_loss, val_accuracy)
+        if epoch is not None:
+            self.cache.begin_epoch(epoch)
+        return result
+
+    def set_replay(self, value: float | None) -> None:
+        with _refusing():
+            self.sampling.set_replay(value)
+
+    def set_log_level(self, level: str) -> None:
+        logging.getLogger("shadefs").setLevel(level.upper())
+
+    # --- ControlService: the sampler's channel --------------------------------------------
+
+    async def register_dataset(self, paths: list[str]) -> None:
+        with _refusing():
+            await self.sampling.register(paths, self._resolve_dataset)
+
+    async def _resolve_dataset(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        return await self.resolve_files([os.fsencode(p) for p in paths])
+
+    def dataset_info(self) -> DatasetInfo:
+        s = self.sampling
+        return DatasetInfo(samples=s.n, registered_at=s.registered_at, resolved=len(s.keys))
+
+    def ingest_losses(self, message: bytes) -> int:
+        with _refusing():
+            return self.sampling.ingest(message)
+
+    def order(self, request: OrderRequest) -> np.ndarray:
+        with _refusing():
+            share = self.sampling.order(request, self._resident)
+        self.cache.begin_epoch(request.epoch)
+        if self.prefetcher is not None:
+            # The daemon now knows what this rank reads next: prefetch its misses.
+            s = self.sampling
+            name = f"order:seed={request.seed}:world={request.world_size}:rank={request.rank}"
+            paths = [os.fsencode(s.paths[i]) for i in share.tolist()]
+            self.prefetcher.add_plan(Plan(name, s.keys[share], paths, s.sizes[share]))
+        return share
+
+    def _resident(self, keys: np.ndarray) -> np.ndarray:
+        return np.isin(keys, self.cache.resident_keys())
+
+
+@contextlib.contextmanager
+def _refusing() -> Iterator[None]:
+    """The parts' own refusals, as the Rejected that control turns into EINVAL."""
+    try:
+        yield
+    except (SamplingError, WireError) as exc:
+        raise Rejected(str(exc)) from None
+
+
+def ssd_defaults(path: str, size: int | None, min_free: int | None) -> tuple[int, int]:
+    """(budget, free-space floor) for a cache directory.
+
+    By default the floor is 5% of the cache filesystem (at most 1 GiB) and the budget 80% of
+    what is free above it when the cache is created. The budget is recorded in DIR/budget
+    and reused by later mounts that give no SIZE: recomputed from the free space, it would
+    shrink on every remount by what the cache itself already occupies.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    sv = os.statvfs(path)
+    total, free = sv.f_blocks * sv.f_frsize, sv.f_bavail * sv.f_frsize
+    floor = min(total // 20, 1 << 30) if min_free is None else min_free
+    record = Path(path) / "budget"
+    if size is None:
+        try:
+            size = int(record.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            size = int(max(free - floor, 0) * 0.8)
+    try:
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(f"{size}\n")
+        tmp.replace(record)
+    except OSError as exc:
+        log.warning("cannot record the SSD budget in %s: %s", record, exc.strerror)
+    return size, floor
