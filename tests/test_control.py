@@ -13,6 +13,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shadefs.control.commands import CTL_MAX_WRITE
 from shadefs.control.entries import DIR_INODE
 from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
@@ -144,6 +145,53 @@ async def test_evict_and_report_commands(tmp_path: Path) -> None:
             await send(ops, b"ctl", bad.encode())
         assert e.value.errno == errno.EINVAL, bad
     assert len(svc.cache.entries) == 1  # nothing applied from the rejected writes
+
+
+async def test_ctl_write_over_the_limit_fails_whole_with_efbig(tmp_path: Path) -> None:
+    src, _ = dataset_tree(tmp_path, n=4)
+    ops, svc = make_fs(src, ram=1 << 20)
+    head = b"ram 40M\npolicy lru\n"
+    # The first part of a write that the kernel split: valid lines, more to come.
+    for size in (CTL_MAX_WRITE + 1, 1 << 20):
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await send(ops, b"ctl", head + b"#" * (size - len(head) - 1) + b"\n")
+        assert e.value.errno == errno.EFBIG
+        assert svc.cache.capacity == 1 << 20 and svc.cache.policy.name == "epoch"
+        assert f"at most {CTL_MAX_WRITE} bytes" in svc.control.last_result
+    # At the limit, the whole write is applied.
+    await send(ops, b"ctl", head + b"#" * (CTL_MAX_WRITE - len(head) - 1) + b"\n")
+    assert svc.cache.capacity == 40 << 20 and svc.cache.policy.name == "lru"
+    help_text = await read_all(ops, await ctl_ino(ops, b"ctl"))
+    assert f"at most {CTL_MAX_WRITE} bytes".encode() in help_text
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "ram \u0663M",  # ARABIC-INDIC DIGIT THREE, which int() and float() take for 3
+        "ram 1\u0663",
+        "epoch \u0663",
+        "epoch \uff13",  # FULLWIDTH DIGIT THREE
+        "epoch 1_0",
+        "replay \u0663",
+        "replay 2.\u0665",
+        "replay infinity",
+        "report epoch=\u0663",
+        "report train_loss=\u0661.5",
+        "report val_accuracy=\u0660.9",
+    ],
+)
+async def test_numbers_take_ascii_digits_only(tmp_path: Path, line: str) -> None:
+    src, _ = dataset_tree(tmp_path, n=4)
+    ops, svc = make_fs(src, ram=1 << 20)
+    before = _state(svc)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await send(ops, b"ctl", line.encode() + b"\n")
+    assert e.value.errno == errno.EINVAL, line
+    assert _state(svc) == before and svc.sampling.reports == 0
+    # The same commands in ASCII digits are accepted.
+    await send(ops, b"ctl", b"ram 3M\nepoch 3\nreplay 2.5\nreport epoch=3 train_loss=1.5\n")
+    assert svc.cache.capacity == 3 << 20 and svc.sampling.epoch == 3
 
 
 async def test_bad_stream_poisons_the_descriptor(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import subprocess
@@ -148,6 +149,43 @@ def test_stat_and_ctl_commands(tmp_path: Path, mounter) -> None:
     assert out.returncode == 0 and "ram budget" in out.stdout
     stats = m.stats()
     assert stats["ram_capacity"] == 2048 and stats["ram_bytes"] <= 2048
+
+
+def test_large_ctl_write_is_refused_whole(tmp_path: Path, mounter) -> None:
+    """The kernel splits a write larger than max_write; no part of it may be applied."""
+    src = tmp_path / "src"
+    src.mkdir()
+    m = mounter(src, "--ram", "10M")
+    ctl = m.mnt / ".shadefs" / "ctl"
+    head, tail = b"ram 40M\npolicy lru\n", b"policy nonsense\n"
+    # About 1 MiB: valid first lines, comment padding, and a bad last line (issue 10).
+    big = head + (b"#" * 1023 + b"\n") * 1024 + tail
+    assert 1 << 20 < len(big) < (1 << 20) + 64
+    fd = os.open(ctl, os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            os.write(fd, big)
+        assert e.value.errno == errno.EFBIG
+        # All lines valid and just over the limit: refused all the same.
+        with pytest.raises(OSError) as e:
+            os.write(fd, head + b"#" * (65536 - len(head)) + b"\n")
+        assert e.value.errno == errno.EFBIG
+    finally:
+        os.close(fd)
+    stats = m.stats()
+    assert stats["ram_capacity"] == 10 << 20 and stats["policy"] == "epoch"
+    last = ctl.read_text().splitlines()[-1]
+    assert "at most 65536 bytes" in last and "nothing was applied" in last, last
+    # A write at the limit reaches the daemon as one request and is applied whole.
+    at_limit = head + b"#" * (65536 - len(head) - 1) + b"\n"
+    assert len(at_limit) == 65536
+    fd = os.open(ctl, os.O_WRONLY)
+    try:
+        assert os.write(fd, at_limit) == len(at_limit)
+    finally:
+        os.close(fd)
+    stats = m.stats()
+    assert stats["ram_capacity"] == 40 << 20 and stats["policy"] == "lru"
 
 
 def _run_epochs(m, files: list[str], epochs: int, seed: int) -> list[float]:
