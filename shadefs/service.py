@@ -3,7 +3,7 @@
 `Service(opts)` builds the parts in the order data flows, each handed what it needs at
 construction and nothing wired afterwards:
 
-    source -> namespace -> (sampling) -> SSD tier -> cache (builds its prefetcher)
+    source -> namespace -> sampling -> cache (builds its SSD tier and prefetcher)
            -> control (sees this object as a ControlService) -> operations (pyfuse3)
 
 `start(nursery)` starts every part's background tasks in the nursery the daemon hands it;
@@ -25,7 +25,6 @@ import numpy as np
 import trio
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.policy import make_policy
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
@@ -50,8 +49,9 @@ class Service:
     :namespace: inode <-> path, stat snapshots, revalidation
     :metrics: the data path's counters
     :sampling: the sampler's registered dataset, importance table and orders
-    :ssd: the SSD tier, or None without --ssd
-    :cache: the tiers, their policies and (as `cache.prefetcher`) the prefetcher
+    :cache: the RAM tier, and the owner of the SSD tier and the prefetcher
+    :ssd: the cache's SSD tier, or None without --ssd (read-only)
+    :prefetcher: the cache's prefetcher, or None with --no-prefetch (read-only)
     :control: the `.shadefs` directory
     :operations: the pyfuse3 request handlers that the daemon mounts
     """
@@ -65,7 +65,7 @@ class Service:
         self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
         self.metrics = Metrics()
         self.sampling = Sampling()
-        self.ssd = self._ssd_tier(opts) if opts.ssd else None
+        ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
         if opts.prefetch:
             window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
@@ -77,7 +77,8 @@ class Service:
             policy=opts.policy,
             score_of=self.sampling.score_of,
             max_entry=opts.max_entry,
-            ssd=self.ssd,
+            ssd=ssd,
+            key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
         )
         self.control = Control(self, self.stats, self.metrics)
@@ -85,17 +86,21 @@ class Service:
             self.namespace, self.cache, self.control, self.metrics, self.source
         )
 
-    def _ssd_tier(self, opts: MountOptions) -> SsdTier:
+    @staticmethod
+    def _ssd_store(opts: MountOptions) -> SsdStore:
         assert opts.ssd is not None
         budget, floor = ssd_defaults(opts.ssd, opts.ssd_size, opts.ssd_min_free)
         try:
-            store = SsdStore(Path(opts.ssd), budget, min_free=floor)
+            return SsdStore(Path(opts.ssd), budget, min_free=floor)
         except CacheLocked as exc:
             raise QuietError(str(exc), EXIT_CACHE_LOCKED) from None
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
-        # The cache gives the tier its real policy; this one only stands in until then.
-        return SsdTier(store, make_policy("epoch"), self.namespace.key_of_ino)
+
+    @property
+    def ssd(self) -> SsdTier | None:
+        """The cache's SSD tier (None without --ssd)."""
+        return self.cache.ssd
 
     @property
     def prefetcher(self) -> Prefetcher | None:

@@ -151,6 +151,38 @@ def test_no_import_cycle() -> None:
     )
 
 
+_UP = ("shadefs.service", "shadefs.daemon")  # the owner of the parts, and its process
+# What each part may not import, even under TYPE_CHECKING: data flows fs -> cache -> source,
+# control sees the daemon only through its own Protocol, and no part reaches up to the
+# object that owns it.
+FORBIDDEN = {
+    "shadefs.source": ("shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
+    "shadefs.cache": ("shadefs.fs", "shadefs.control", *_UP),
+    "shadefs.sampling": ("shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
+    "shadefs.fs": _UP,
+    "shadefs.control": ("shadefs.fs", "shadefs.cache", *_UP),
+    "shadefs.stats": ("shadefs.source", "shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_parts_import_only_downstream() -> None:
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for part, forbidden in FORBIDDEN.items()
+        if _within(module, part)
+        for target in targets
+        if any(_within(target, f) for f in forbidden)
+    )
+    assert not wrong, "imports against the data flow (fs -> cache -> source):\n  " + (
+        "\n  ".join(wrong)
+    )
+
+
 def test_no_module_over_the_line_limit() -> None:
     long = {
         str(path.relative_to(PACKAGE.parent)): n

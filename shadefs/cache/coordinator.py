@@ -8,9 +8,10 @@ evict for them. It never chooses victims itself.
 Files larger than `max_entry` are not cached: they are read through (pass-through) with
 positional reads on a source descriptor, so they read correctly whatever the budget.
 
-The cache owns its prefetcher (prefetch.py): it builds it and hands it the two callables
-the prefetcher needs, so that neither module imports the other's users. It also builds the
-policies by name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
+The cache owns its SSD tier (ssd_tier.py) and its prefetcher (prefetch.py): it builds
+both, and hands the prefetcher the two callables it needs (`fetch_ahead`, `tier_of`), so
+that prefetch.py does not import this module. It also builds the policies of both tiers by
+name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
 `start(nursery)` starts the background tasks of the SSD tier and of the prefetcher.
 
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
@@ -33,7 +34,7 @@ import trio
 
 from shadefs.cache.policy import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
-from shadefs.cache.ssd_store import Signature
+from shadefs.cache.ssd_store import Signature, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
@@ -63,11 +64,14 @@ class _Flight:
 
 
 class Cache:
-    """The RAM tier under a byte budget that is never exceeded (counting file bytes).
+    """The RAM tier under a byte budget that is never exceeded (counting file bytes), and
+    the owner of the SSD tier and of the prefetcher.
 
     :capacity: the budget in bytes
     :max_entry: files larger than this are read through, never cached
     :used: bytes of resident file data
+    :ssd: the SSD tier (None without an SSD store)
+    :prefetcher: the prefetcher (None when prefetching is off)
     """
 
     def __init__(
@@ -79,17 +83,19 @@ class Cache:
         policy: str = "epoch",
         score_of: Callable[[int], float] | None = None,
         max_entry: int | None = None,
-        ssd: SsdTier | None = None,
+        ssd: SsdStore | None = None,
+        key_of_ino: Callable[[int], int] | None = None,
         prefetch: PrefetchSettings | None = None,
     ) -> None:
         """`policy` names the policy of every tier (ValueError if unknown); `score_of` gives
-        a key's importance to the `shade` policy; `prefetch` None turns prefetching off."""
+        a key's importance to the `shade` policy. `ssd` is the store of an SSD tier, whose
+        restored entries get their keys from `key_of_ino`; `prefetch` None turns
+        prefetching off."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
         self._score_of = score_of
-        self.ssd = ssd
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -109,8 +115,11 @@ class Cache:
                 abandon_after=prefetch.abandon_after,
             )
         self.policy = self._make_policy(policy)
+        self.ssd: SsdTier | None = None
         if ssd is not None:
-            ssd.policy = self._make_policy(policy)
+            if key_of_ino is None:
+                raise ValueError("an SSD tier needs key_of_ino")
+            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino)
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
