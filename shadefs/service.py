@@ -113,8 +113,7 @@ class Service:
 
     def close(self) -> None:
         """Release the SSD cache directory; call after the request loop has ended."""
-        if self.ssd is not None:
-            self.ssd.store.close()
+        self.cache.close()
 
     def stats(self) -> Stats:
         """Everything stats.json reports, from each part's describe() (in the trio thread)."""

@@ -128,6 +128,11 @@ class Cache:
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
 
+    def close(self) -> None:
+        """Release the SSD store (its directory lock); after the tasks have stopped."""
+        if self.ssd is not None:
+            self.ssd.store.close()
+
     @property
     def max_entry(self) -> int:
         # By default a single file may take an eighth of the budget: larger ones would
