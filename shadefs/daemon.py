@@ -65,7 +65,7 @@ class _JournalFormatter(logging.Formatter):
 def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit code.
 
-    The caller has checked the environment (cli/background.py's check_environment).
+    The caller has checked the environment (shadefs.options.check_environment).
     """
     setup_logging(opts)
     try:
