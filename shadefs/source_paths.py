@@ -88,13 +88,15 @@ class Resolver:
 
     def __init__(self, root: bytes, *, use_openat2: bool | None = None) -> None:
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        weakref.finalize(self, os.close, self.root_fd)
+        self._finalizer = weakref.finalize(self, os.close, self.root_fd)
         # One open_how per flag set, built on first use and kept alive with its address.
         self._how: dict[int, tuple[_OpenHow, int]] = {}
         if use_openat2 is None:
             use_openat2 = self._probe()
         self.kind = "openat2" if use_openat2 else "walk"
-        self._open = self._openat2 if use_openat2 else self._walk
+        # A flag rather than a bound method kept on self: that would be a reference cycle,
+        # and the root descriptor would stay open until the cycle collector ran.
+        self._use_openat2 = use_openat2
 
     def _probe(self) -> bool:
         if _syscall is None:
@@ -110,11 +112,17 @@ class Resolver:
             return False
         return True
 
+    def close(self) -> None:
+        """Close the root descriptor now (else it is closed when the resolver is collected)."""
+        self._finalizer()
+
     # --- opening ----------------------------------------------------------------------
 
     def open(self, rel: bytes, flags: int) -> int:
         """A descriptor of `rel` (b"" is the root), opened with `flags` (never O_CREAT)."""
-        return self._open(rel, flags)
+        if self._use_openat2:
+            return self._openat2(rel, flags)
+        return self._walk(rel, flags)
 
     def _openat2(self, rel: bytes, flags: int) -> int:
         if b"\0" in rel:  # ctypes would cut the path there
@@ -170,7 +178,7 @@ class Resolver:
             raise OSError(errno.EINVAL, "not a name in the source", rel)
         if not head:
             return fn(name, self.root_fd)
-        fd = self._open(head, DIR_PATH)
+        fd = self.open(head, DIR_PATH)
         try:
             return fn(name, fd)
         finally:
@@ -188,7 +196,7 @@ class Resolver:
 
     def scandir(self, rel: bytes) -> list[tuple[bytes, os.stat_result]]:
         """The directory's entries with their lstat, sorted by name."""
-        fd = self._open(rel, DIR_READ)
+        fd = self.open(rel, DIR_READ)
         out = []
         try:
             # scandir works on its own duplicate of fd; its entries' stat() is an fstatat
@@ -235,11 +243,11 @@ class Resolver:
         and sockets) report no attributes.
         """
         if not rel:
-            return self._open(b"", DIR_READ)
+            return self.open(b"", DIR_READ)
         st = self.lstat(rel)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             return None
-        fd = self._open(rel, FILE_READ)
+        fd = self.open(rel, FILE_READ)
         check = os.fstat(fd)
         if (check.st_dev, check.st_ino) != (st.st_dev, st.st_ino):
             os.close(fd)  # swapped between the lstat and the open: say nothing about it
@@ -250,7 +258,7 @@ class Resolver:
 
     def open_regular(self, rel: bytes) -> tuple[int, os.stat_result]:
         """A blocking read descriptor of a regular file, and its fstat."""
-        fd = self._open(rel, FILE_READ)
+        fd = self.open(rel, FILE_READ)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
