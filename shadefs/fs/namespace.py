@@ -151,6 +151,11 @@ class Namespace:
         else:
             # Keep the node's own stat: it may be fresher than the listing (fresh_stat).
             node.lookups += 1
+            if stat.S_IFMT(node.st.st_mode) != stat.S_IFMT(st.st_mode):
+                # Unless the inode number was reused by an entry of another type (a file or
+                # directory swapped for a symlink): the node describes something gone.
+                node.path, node.st, node.checked = path, st, time.monotonic()
+                self.listings.pop(ino, None)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, n in items:
