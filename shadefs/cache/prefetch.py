@@ -270,7 +270,7 @@ class Prefetcher:
     async def _fetch(self, key: int, path: bytes, size: int) -> None:
         t0 = time.monotonic()
         try:
-            fetched = await self.cache.fetch_ahead(key, path)
+            fetched = await self.cache.fetch_ahead(key, path, size)
         except pyfuse3.FUSEError as exc:
             self.errors += 1
             log.debug("prefetch of %r failed: errno %d", path, exc.errno)
