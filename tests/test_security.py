@@ -19,7 +19,9 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -28,9 +30,10 @@ from shadefs import source_paths
 from shadefs.fs.namespace import ROOT_INODE
 from shadefs.source import Source
 from shadefs.source_paths import Resolver
-from tests.conftest import FakeCtx
+from tests.conftest import FakeCtx, Mount
 
 CTX = FakeCtx()
+Mounter = Callable[..., Mount]
 SECRET = b"SECRET-0123456789-" * 600  # 10800 bytes: above --max-entry 1K, like the legit files
 MARKER = b"SECRET-0123456789"
 LEGIT = b"legit" * 2000  # 10000 bytes
@@ -91,7 +94,7 @@ async def test_source_never_follows_a_symlink(tree: tuple[Path, Path], use_opena
     (src / "flink").symlink_to(secret / "f.txt")
     (src / "dlink").symlink_to(secret)
     (src / "dir" / "rel").symlink_to("../../secret/f.txt")
-    s = Source(src, use_openat2=use_openat2)
+    s = Source(os.fsencode(src), use_openat2=use_openat2)
     assert s.paths.kind == ("openat2" if use_openat2 else "walk")
     for rel in (b"flink", b"dlink/f.txt", b"dir/rel", b"dlink/../c2/a.txt"):
         for call in (s.read_file, s.open_fd):
@@ -103,10 +106,15 @@ async def test_source_never_follows_a_symlink(tree: tuple[Path, Path], use_opena
     assert stat.S_ISLNK((await s.lstat(b"flink")).st_mode)
     assert stat.S_ISLNK((await s.lstat(b"dlink")).st_mode)
     assert await s.readlink(b"flink") == os.fsencode(secret / "f.txt")
-    for call, rel in ((s.lstat, b"dlink/f.txt"), (s.readlink, b"dlink/x"), (s.listdir, b"dlink")):
+    meta: list[tuple[Callable[[bytes], Awaitable[object]], bytes]] = [
+        (s.lstat, b"dlink/f.txt"),
+        (s.readlink, b"dlink/x"),
+        (s.listdir, b"dlink"),
+    ]
+    for meta_call, rel in meta:
         with pytest.raises(pyfuse3.FUSEError) as e:
-            await call(rel)
-        assert errno_of(e) == errno.ELOOP, (call, rel)
+            await meta_call(rel)
+        assert errno_of(e) == errno.ELOOP, (meta_call, rel)
     # A listing shows symlinks as symlinks.
     names = dict(await s.listdir(b""))
     assert stat.S_ISLNK(names[b"flink"].st_mode) and stat.S_ISLNK(names[b"dlink"].st_mode)
@@ -128,7 +136,7 @@ async def test_source_reads_the_tree(tree: tuple[Path, Path], use_openat2: bool)
     odd = b"\xff\xfeodd.bin"  # not UTF-8: must survive as bytes
     with open(os.path.join(os.fsencode(src), b"dir", odd), "wb") as f:
         f.write(b"odd")
-    s = Source(src, use_openat2=use_openat2)
+    s = Source(os.fsencode(src), use_openat2=use_openat2)
     assert stat.S_ISDIR(s.root_stat().st_mode)
     assert s.root_stat().st_ino == src.stat().st_ino
     data, st = await s.read_file(b"c2/a.txt", len(LEGIT))
@@ -155,7 +163,7 @@ async def test_a_fifo_swapped_in_does_not_hang_the_source(
 ) -> None:
     src, _ = tree
     os.mkfifo(src / "fifo")
-    s = Source(src, use_openat2=use_openat2, timeout=5)
+    s = Source(os.fsencode(src), use_openat2=use_openat2, timeout=5)
     for call in (s.read_file, s.open_fd):
         with pytest.raises(pyfuse3.FUSEError) as e:
             await call(b"fifo")
@@ -173,7 +181,7 @@ async def test_xattrs_are_the_files_own(tree: tuple[Path, Path], use_openat2: bo
         pytest.skip(f"no user xattrs on {src}: {exc.strerror}")
     (src / "flink").symlink_to(secret / "f.txt")
     (src / "dlink").symlink_to(secret)
-    s = Source(src, use_openat2=use_openat2)
+    s = Source(os.fsencode(src), use_openat2=use_openat2)
     assert await s.getxattr(b"c2/a.txt", b"user.shade") == b"inside"
     assert b"user.shade" in await s.listxattr(b"c2/a.txt")
     # A symlink reports no attributes of its own, and never its target's.
@@ -186,7 +194,9 @@ async def test_xattrs_are_the_files_own(tree: tuple[Path, Path], use_openat2: bo
     assert errno_of(e) == errno.ELOOP
 
 
-def test_openat2_missing_falls_back_to_the_walk(tmp_path: Path, monkeypatch) -> None:
+def test_openat2_missing_falls_back_to_the_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_openat2(*args: object) -> int:
         ctypes.set_errno(errno.ENOSYS)
         return -1
@@ -203,7 +213,7 @@ async def test_a_fetch_is_bounded_by_the_size_looked_up(tmp_path: Path, use_open
     src.mkdir()
     head = os.urandom(4096)
     (src / "grow.bin").write_bytes(head + os.urandom(4 << 20))  # grew since it was looked up
-    s = Source(src, use_openat2=use_openat2)
+    s = Source(os.fsencode(src), use_openat2=use_openat2)
     data, st = await s.read_file(b"grow.bin", 4096)
     assert data.startswith(head)
     assert 4096 < len(data) <= 4096 + (64 << 10)
@@ -236,7 +246,7 @@ async def test_a_fetch_is_bounded_by_the_size_looked_up(tmp_path: Path, use_open
 
 
 async def test_handlers_refuse_swapped_symlinks_with_the_walk(
-    tree: tuple[Path, Path], monkeypatch
+    tree: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.test_fs_api import lookup_path, make_fs, read_all
 
@@ -268,7 +278,7 @@ def test_a_reused_inode_number_of_another_type_replaces_the_node(tmp_path: Path)
     from shadefs.fs.namespace import Namespace
 
     (tmp_path / "dir").mkdir()
-    ns = Namespace(Source(tmp_path))
+    ns = Namespace(Source(os.fsencode(tmp_path)))
     st_dir = os.lstat(tmp_path / "dir")
     ino = ns.ino_of(st_dir)
     ns.remember(ino, b"dir", st_dir)
@@ -315,9 +325,10 @@ def assert_refused(mnt: Path, rel: str) -> None:
     assert e.value.errno == errno.ELOOP, e.value
 
 
-def assert_alive(m) -> dict:  # type: ignore[no-untyped-def]
+def assert_alive(m: Mount) -> dict[str, Any]:
     assert read_nofollow(m.mnt, "c2/b.txt") == LEGIT
-    return m.stats()
+    stats: dict[str, Any] = m.stats()
+    return stats
 
 
 @pytest.fixture
@@ -332,7 +343,9 @@ REVALIDATE = [pytest.param((), id="default"), pytest.param(("--revalidate", "1")
 
 @pytest.mark.mount
 @pytest.mark.parametrize("reval", REVALIDATE)
-def test_mount_fetch_never_follows_a_swap(mtree, mounter, reval) -> None:
+def test_mount_fetch_never_follows_a_swap(
+    mtree: tuple[Path, Path], mounter: Mounter, reval: tuple[str, ...]
+) -> None:
     src, secret = mtree
     m = mounter(src, *reval)
     os.stat(m.mnt / "c2" / "a.txt")  # looked up as a regular file
@@ -357,7 +370,9 @@ def test_mount_fetch_never_follows_a_swap(mtree, mounter, reval) -> None:
 
 @pytest.mark.mount
 @pytest.mark.parametrize("reval", REVALIDATE)
-def test_mount_passthrough_never_follows_a_swap(mtree, mounter, reval) -> None:
+def test_mount_passthrough_never_follows_a_swap(
+    mtree: tuple[Path, Path], mounter: Mounter, reval: tuple[str, ...]
+) -> None:
     src, secret = mtree
     m = mounter(src, "--max-entry", "1K", *reval)
     fd = os.open(m.mnt / "big.bin", os.O_RDONLY)  # opened before the swap
@@ -376,7 +391,7 @@ def test_mount_passthrough_never_follows_a_swap(mtree, mounter, reval) -> None:
     assert s["bytes_from_source"] == 2 * len(LEGIT)
 
 
-def _wait_for_ssd(m, n: int) -> None:  # type: ignore[no-untyped-def]
+def _wait_for_ssd(m: Mount, n: int) -> None:
     deadline = time.monotonic() + 30
     while m.stats().get("ssd_entries", 0) < n:
         assert time.monotonic() < deadline, "SSD writes did not finish"
@@ -385,7 +400,9 @@ def _wait_for_ssd(m, n: int) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.mount
 @pytest.mark.parametrize("reval", REVALIDATE)
-def test_mount_ssd_revalidation_never_follows_a_swap(mtree, mounter, tmp_path, reval) -> None:
+def test_mount_ssd_revalidation_never_follows_a_swap(
+    mtree: tuple[Path, Path], mounter: Mounter, tmp_path: Path, reval: tuple[str, ...]
+) -> None:
     src, secret = mtree
     m = mounter(src, "--ssd", str(tmp_path / "ssd"), *reval)
     assert read_nofollow(m.mnt, "c2/a.txt") == LEGIT
@@ -413,7 +430,9 @@ def test_mount_ssd_revalidation_never_follows_a_swap(mtree, mounter, tmp_path, r
 
 @pytest.mark.mount
 @pytest.mark.parametrize("reval", REVALIDATE)
-def test_mount_prefetch_never_follows_a_swap(mtree, mounter, reval) -> None:
+def test_mount_prefetch_never_follows_a_swap(
+    mtree: tuple[Path, Path], mounter: Mounter, reval: tuple[str, ...]
+) -> None:
     src, secret = mtree
     m = mounter(src, *reval)
     # The plan's paths are checked as they are written; the directory is swapped before the
@@ -438,7 +457,9 @@ def test_mount_prefetch_never_follows_a_swap(mtree, mounter, reval) -> None:
 
 
 @pytest.mark.mount
-def test_mount_control_paths_through_a_symlink_are_refused(mtree, mounter) -> None:
+def test_mount_control_paths_through_a_symlink_are_refused(
+    mtree: tuple[Path, Path], mounter: Mounter
+) -> None:
     src, secret = mtree
     (src / "link").symlink_to(secret)
     (src / "flink").symlink_to(secret / "f.txt")
@@ -474,7 +495,7 @@ def test_mount_control_paths_through_a_symlink_are_refused(mtree, mounter) -> No
 
 
 @pytest.mark.mount
-def test_mount_growing_file_costs_a_bounded_fetch(tmp_path: Path, mounter) -> None:
+def test_mount_growing_file_costs_a_bounded_fetch(tmp_path: Path, mounter: Mounter) -> None:
     src = tmp_path / "src"
     (src / "c2").mkdir(parents=True)
     (src / "c2" / "b.txt").write_bytes(LEGIT)
