@@ -274,6 +274,17 @@ async def test_handlers_refuse_swapped_symlinks_with_the_walk(
     assert parts["source"].bytes_read == 0
 
 
+async def test_the_operators_own_source_path_may_be_a_symlink(tree: tuple[Path, Path]) -> None:
+    from tests.test_fs_api import lookup_path, make_fs, read_all
+
+    src, _ = tree
+    alias = src.parent / "alias"
+    alias.symlink_to(src)  # SRC given as a symlink: followed once, when the mount starts
+    ops, parts = make_fs(alias)
+    assert parts["ns"].root_ino == src.stat().st_ino
+    assert await read_all(ops, await lookup_path(ops, "c2/a.txt")) == LEGIT
+
+
 def test_a_reused_inode_number_of_another_type_replaces_the_node(tmp_path: Path) -> None:
     from shadefs.fs.namespace import Namespace
 
