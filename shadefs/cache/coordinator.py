@@ -179,7 +179,7 @@ class Cache:
             flight.sig = Signature.of(st)
             flight.clean = len(data) == st.st_size and size in (None, st.st_size)
             if not flight.clean:
-                log.info("%r changed size while it was fetched: served, not cached", path)
+                log.debug("%r changed size while it was fetched: served, not cached", path)
         except BaseException as exc:
             flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
             if flight.error is None:
