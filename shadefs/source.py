@@ -7,7 +7,13 @@ the limiter (trio returns a token only when its thread really finishes, so aband
 keep holding theirs). Errors become `pyfuse3.FUSEError` with the source's errno.
 
 Paths are bytes relative to the source root (b"" is the root itself), so names that are not
-valid UTF-8 survive unchanged.
+valid UTF-8 survive unchanged. They are resolved by `source_paths.Resolver` from a descriptor
+of the root that is held for the daemon's life, and never through a symlink: whoever can
+write into the source may swap a file or a directory for a symlink at any moment, and the
+daemon must never open anything outside it. A symlink met on the way is ELOOP.
+
+Fetches are bounded: a file is read up to the size that was looked up plus a small margin,
+however fast it grows while it is read (see `read_file`).
 
 The outage state is tracked here so that a dead server is logged once per outage, not once
 per request.
@@ -21,35 +27,52 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 
+from shadefs.source_paths import Resolver
 from shadefs.stats import SourceStats
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Errors that answer a question about a file rather than say the source is failing. ELOOP is
+# a symlink where the daemon expected a directory or a file: it is refused, not followed.
+_ANSWERS = (errno.ENOENT, errno.ENOTDIR, errno.ENODATA, errno.ELOOP)
+# How far a fetch may read past the size it expects: enough to see that the file grew,
+# never enough to follow a file that grows without end.
+_MARGIN = 64 << 10
+
 # trio renamed `cancellable` to `abandon_on_cancel` in 0.23.
-_ABANDON_KW = (
+_ABANDON: dict[str, Any] = {
     "abandon_on_cancel"
     if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
-    else "cancellable"
-)
+    else "cancellable": True
+}
 
 
 class Source:
     """The backing tree, seen through bounded, timed-out worker threads.
 
-    :root: the source directory (absolute, bytes)
+    :root: the source directory (absolute, bytes; for messages: access goes through `paths`)
+    :paths: the no-follow resolver, holding the root's descriptor
     :timeout: seconds before a source call is abandoned and answered with EIO
     :healthy: False between a timeout and the next successful call
     """
 
-    def __init__(self, root: str | bytes, *, max_threads: int = 32, timeout: float = 30.0):
+    def __init__(
+        self,
+        root: str | bytes,
+        *,
+        max_threads: int = 32,
+        timeout: float = 30.0,
+        use_openat2: bool | None = None,
+    ):
         self.root = os.path.abspath(os.fsencode(root))
+        self.paths = Resolver(self.root, use_openat2=use_openat2)
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
         self.healthy = True
@@ -58,8 +81,9 @@ class Source:
         self.bytes_read = 0
         self._outage_since = 0.0
 
-    def path(self, rel: bytes) -> bytes:
-        return self.root + b"/" + rel if rel else self.root
+    def root_stat(self) -> os.stat_result:
+        """The root's stat, from its held descriptor (no worker thread: used at start)."""
+        return self.paths.lstat(b"")
 
     def describe(self) -> SourceStats:
         return SourceStats(
@@ -74,13 +98,11 @@ class Source:
         """Run fn(*args) in a worker thread; OSError -> FUSEError, timeout -> EIO."""
         with trio.move_on_after(self.timeout) as scope:
             try:
-                result = await trio.to_thread.run_sync(
-                    fn, *args, limiter=self.limiter, **{_ABANDON_KW: True}
-                )
+                result = await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, **_ABANDON)
             except OSError as exc:
                 # ENOENT and friends are answers, not outages.
                 self._mark_healthy()
-                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENODATA):
+                if exc.errno not in _ANSWERS:
                     self.errors += 1
                 # A dead server (ENOTCONN from a crashed FUSE source, ESTALE from NFS) is an
                 # I/O error to the reader, not a property of the file.
@@ -117,34 +139,45 @@ class Source:
     # --- metadata ---------------------------------------------------------------------
 
     async def lstat(self, rel: bytes) -> os.stat_result:
-        return await self.run(os.lstat, self.path(rel))
+        return await self.run(self.paths.lstat, rel)
 
     async def listdir(self, rel: bytes) -> list[tuple[bytes, os.stat_result]]:
         """The directory's entries with their lstat, sorted by name (one thread hop)."""
-        return await self.run(_scan, self.path(rel))
+        return await self.run(self.paths.scandir, rel)
 
     async def readlink(self, rel: bytes) -> bytes:
-        return await self.run(os.readlink, self.path(rel))
+        return await self.run(self.paths.readlink, rel)
 
     async def getxattr(self, rel: bytes, name: bytes) -> bytes:
-        return await self.run(_getxattr, self.path(rel), name)
+        """The attribute of a regular file or directory; ENODATA for anything else."""
+        return await self.run(self.paths.getxattr, rel, name)
 
     async def listxattr(self, rel: bytes) -> list[bytes]:
-        return await self.run(_listxattr, self.path(rel))
+        return await self.run(self.paths.listxattr, rel)
 
     async def statvfs(self) -> os.statvfs_result:
-        return await self.run(os.statvfs, self.root)
+        return await self.run(self.paths.statvfs)
 
     # --- data -------------------------------------------------------------------------
 
-    async def read_file(self, rel: bytes) -> tuple[bytes, os.stat_result]:
-        """The whole file and the fstat taken on the open descriptor."""
-        data, st = await self.run(_read_whole, self.path(rel))
+    async def read_file(self, rel: bytes, size: int | None = None) -> tuple[bytes, os.stat_result]:
+        """The file's bytes and the fstat taken on the open descriptor.
+
+        At most min(fstat size, `size`) plus a margin are read (`size`: what the caller
+        looked up), so a file that grows while it is read costs a bounded fetch. The bytes
+        are a clean copy of the file only if len(data) == st.st_size (== `size` when given):
+        otherwise the file changed size since it was looked up or while it was read, and
+        the caller must not cache them as the file's content (they are still one read's
+        consistent prefix, fit to answer the reader that asked).
+        """
+        data, st = await self.run(_read_bounded, self.paths, rel, size)
         self.bytes_read += len(data)
         return data, st
 
     async def open_fd(self, rel: bytes) -> int:
-        return await self.run(os.open, self.path(rel), os.O_RDONLY | os.O_CLOEXEC)
+        """A read descriptor for pass-through reads (regular files only)."""
+        fd, _ = await self.run(self.paths.open_regular, rel)
+        return fd
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         data = await self.run(os.pread, fd, size, off)
@@ -159,42 +192,21 @@ class Source:
             pass
 
 
-def _scan(path: bytes) -> list[tuple[bytes, os.stat_result]]:
-    out = []
-    with os.scandir(path) as it:
-        for entry in it:
-            try:
-                out.append((entry.name, entry.stat(follow_symlinks=False)))
-            except FileNotFoundError:
-                continue  # removed between readdir and lstat
-    out.sort(key=lambda item: item[0])
-    return out
-
-
-def _read_whole(path: bytes) -> tuple[bytes, os.stat_result]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes, os.stat_result]:
+    fd, st = paths.open_regular(rel)
     try:
-        st = os.fstat(fd)
-        if not os.path.stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EISDIR, "not a regular file")
+        want = st.st_size if size is None else min(st.st_size, size)
+        cap = want + max(_MARGIN, want // 100)
         chunks = []
-        want = st.st_size
-        while True:
-            # Read what fstat promised, then once more to see EOF (the file may have grown).
-            chunk = os.read(fd, max(want, 1 << 16))
+        got = 0
+        while got < cap:
+            # What fstat promised first, then once more to see EOF (or that the file grew).
+            chunk = os.read(fd, min(max(want - got, _MARGIN), cap - got))
             if not chunk:
                 break
             chunks.append(chunk)
-            want = max(want - len(chunk), 0)
+            got += len(chunk)
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return data, st
     finally:
         os.close(fd)
-
-
-def _getxattr(path: bytes, name: bytes) -> bytes:
-    return os.getxattr(path, name, follow_symlinks=False)
-
-
-def _listxattr(path: bytes) -> list[bytes]:
-    return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=False)]

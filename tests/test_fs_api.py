@@ -157,11 +157,11 @@ async def test_concurrent_misses_fetch_once(tmp_path: Path) -> None:
     real = source.read_file
     calls = 0
 
-    async def slow_read(rel: bytes):
+    async def slow_read(rel: bytes, size: int | None = None):
         nonlocal calls
         calls += 1
         await trio.sleep(0.1)
-        return await real(rel)
+        return await real(rel, size)
 
     source.read_file = slow_read
     datas: list[bytes] = []

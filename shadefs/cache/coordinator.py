@@ -53,7 +53,7 @@ class Entry:
 
 
 class _Flight:
-    __slots__ = ("done", "data", "sig", "error", "ahead")
+    __slots__ = ("done", "data", "sig", "error", "ahead", "clean")
 
     def __init__(self, ahead: bool = False) -> None:
         self.done = trio.Event()
@@ -61,6 +61,9 @@ class _Flight:
         self.sig: Signature | None = None
         self.error: BaseException | None = None
         self.ahead = ahead  # started by the prefetcher, not by a reader
+        # False when the file changed size since it was looked up or while it was read:
+        # the bytes answer the readers of this flight but are never cached.
+        self.clean = True
 
 
 class Cache:
@@ -180,11 +183,11 @@ class Cache:
             return None
         t0 = time.monotonic()
         try:
-            return await self._fetch(key, path)
+            return await self._fetch(key, path, st.st_size)
         finally:
             self.blocked += time.monotonic() - t0
 
-    async def _fetch(self, key: int, path: bytes) -> bytes:
+    async def _fetch(self, key: int, path: bytes, size: int) -> bytes:
         flight = self._flights.get(key)
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
@@ -193,23 +196,30 @@ class Cache:
             if flight.error is not None:
                 raise flight.error
             assert flight.data is not None and flight.sig is not None
-            if flight.ahead:
+            if flight.ahead and flight.clean:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
                 if self.prefetcher is not None:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, flight.data, flight.sig)
             return flight.data
-        data, sig = await self._fly(key, path, _Flight())
-        self._adopt(key, path, data, sig)
+        flight = _Flight()
+        data, sig = await self._fly(key, path, flight, size)
+        if flight.clean:
+            self._adopt(key, path, data, sig)
         return data
 
-    async def _fly(self, key: int, path: bytes, flight: _Flight) -> tuple[bytes, Signature]:
-        """Fetch `path` from the source as the one flight for `key`."""
+    async def _fly(
+        self, key: int, path: bytes, flight: _Flight, size: int | None
+    ) -> tuple[bytes, Signature]:
+        """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
         self._flights[key] = flight
         try:
-            data, st = await self.source.read_file(path)
+            data, st = await self.source.read_file(path, size)
             flight.data = data
             flight.sig = Signature.of(st)
+            flight.clean = len(data) == st.st_size and size in (None, st.st_size)
+            if not flight.clean:
+                log.debug("%r changed size while it was fetched: served, not cached", path)
         except BaseException as exc:
             flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
             if flight.error is None:
@@ -221,14 +231,19 @@ class Cache:
             flight.done.set()
         return data, flight.sig
 
-    async def fetch_ahead(self, key: int, path: bytes) -> tuple[bytes, Signature] | None:
+    async def fetch_ahead(
+        self, key: int, path: bytes, size: int | None = None
+    ) -> tuple[bytes, Signature] | None:
         """The prefetcher's fetch: shares single-flight with readers, admits nothing.
 
-        None when a reader is already fetching the file (the reader will cache it).
+        None when a reader is already fetching the file (the reader will cache it), or when
+        the file changed size since it was planned (a reader will fetch it afresh).
         """
         if key in self._flights:
             return None
-        return await self._fly(key, path, _Flight(ahead=True))
+        flight = _Flight(ahead=True)
+        fetched = await self._fly(key, path, flight, size)
+        return fetched if flight.clean else None
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""

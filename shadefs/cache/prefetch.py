@@ -59,7 +59,7 @@ _EWMA = 0.2
 
 # The cache's fetch for the prefetcher: (bytes, signature), or None when a reader is already
 # fetching the file (the reader will cache it).
-FetchAhead = Callable[[int, bytes], Awaitable[tuple[bytes, Signature] | None]]
+FetchAhead = Callable[[int, bytes, int], Awaitable[tuple[bytes, Signature] | None]]
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ class Prefetcher:
     async def _fetch(self, key: int, path: bytes, size: int) -> None:
         t0 = time.monotonic()
         try:
-            fetched = await self._fetch_ahead(key, path)
+            fetched = await self._fetch_ahead(key, path, size)
         except pyfuse3.FUSEError as exc:
             self.errors += 1
             log.debug("prefetch of %r failed: errno %d", path, exc.errno)

@@ -15,6 +15,11 @@ Revalidation: after `revalidate` seconds a snapshot is refreshed when it is next
 file's signature is checked again when it is next opened (`fresh_stat`). When the source is
 not answering, both fall back to what they have: a cached file keeps being served and `ls`
 keeps working on the last snapshot, instead of hanging with the source.
+
+The source never follows a symlink (see source.py). A path whose directory was swapped for a
+symlink after it was looked up fails with ELOOP, which counts here as "gone", like ENOENT:
+the refreshed parent listing shows the symlink as a symlink, and nothing is resolved through
+it (`resolve` answers None, so control paths through it are refused).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ ROOT_INODE = pyfuse3.ROOT_INODE
 INO_OFFSET = 16
 _FOREIGN_BASE = 1 << 62
 _MAX_INO = (1 << 64) - 1
+# Errors saying that a path no longer leads to what was looked up (ELOOP: a component on it
+# is now a symlink, which the source refuses to follow).
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 class Node:
@@ -77,7 +85,7 @@ class Namespace:
         self.revalidate = revalidate
         self.revalidations = 0
         self.changed_files = 0
-        root_st = os.lstat(source.root)
+        root_st = source.root_stat()
         if not stat.S_ISDIR(root_st.st_mode):
             raise NotADirectoryError(source.root)
         self.dev = root_st.st_dev
@@ -110,12 +118,13 @@ class Namespace:
             if ino < _FOREIGN_BASE:
                 return ino
         key = (st.st_dev, st.st_ino)
-        ino = self._foreign.get(key)
-        if ino is None:
-            ino = _FOREIGN_BASE + len(self._foreign)
-            if ino > _MAX_INO:
-                raise pyfuse3.FUSEError(errno.EOVERFLOW)
-            self._foreign[key] = ino
+        known = self._foreign.get(key)
+        if known is not None:
+            return known
+        ino = _FOREIGN_BASE + len(self._foreign)
+        if ino > _MAX_INO:
+            raise pyfuse3.FUSEError(errno.EOVERFLOW)
+        self._foreign[key] = ino
         return ino
 
     # --- lookups ----------------------------------------------------------------------
@@ -151,6 +160,11 @@ class Namespace:
         else:
             # Keep the node's own stat: it may be fresher than the listing (fresh_stat).
             node.lookups += 1
+            if stat.S_IFMT(node.st.st_mode) != stat.S_IFMT(st.st_mode):
+                # Unless the inode number was reused by an entry of another type (a file or
+                # directory swapped for a symlink): the node describes something gone.
+                node.path, node.st, node.checked = path, st, time.monotonic()
+                self.listings.pop(ino, None)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, n in items:
@@ -177,7 +191,7 @@ class Namespace:
             try:
                 return await self._list(ino)
             except pyfuse3.FUSEError as exc:
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                if exc.errno in _GONE:
                     raise
                 return old
         return await self._list(ino)
@@ -219,7 +233,7 @@ class Namespace:
         try:
             st = await self.source.lstat(node.path)
         except pyfuse3.FUSEError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            if exc.errno in _GONE:
                 raise
             return node.st, False
         self.revalidations += 1
@@ -262,7 +276,8 @@ class Namespace:
 
         Used for the sampler's file list and the residency queries: a million paths in a
         thousand class directories cost a thousand source listings, not a million lstats.
-        A path that does not exist (or whose parent is not a directory) gives None.
+        A path that does not exist, or whose parent is not a directory or is reached through
+        a symlink, gives None.
         """
         by_dir: dict[bytes, list[int]] = {}
         for i, p in enumerate(paths):
@@ -273,7 +288,7 @@ class Namespace:
             try:
                 entries = dict(await self.source.listdir(parent))
             except pyfuse3.FUSEError as exc:
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                if exc.errno in _GONE:
                     continue
                 raise
             for i in idxs:
