@@ -252,8 +252,8 @@ async def test_handlers_refuse_swapped_symlinks_with_the_walk(
 
     src, secret = tree
     monkeypatch.setattr(source_paths, "_syscall", None)
-    ops, parts = make_fs(src, ram=1 << 20, max_entry=1024)
-    assert parts["source"].paths.kind == "walk"
+    ops, svc = make_fs(src, ram=1 << 20, max_entry=1024)
+    assert svc.source.paths.kind == "walk"
     a = await lookup_path(ops, "c2/a.txt")
     d = await lookup_path(ops, "dir")
     f = await lookup_path(ops, "dir/f.txt")
@@ -271,7 +271,7 @@ async def test_handlers_refuse_swapped_symlinks_with_the_walk(
     assert errno_of(e) == errno.ELOOP
     # The root, listed again, shows the directory as the symlink it now is.
     assert stat.S_ISLNK((await ops.lookup(ROOT_INODE, b"dir", CTX)).st_mode)
-    assert parts["source"].bytes_read == 0
+    assert svc.source.bytes_read == 0
 
 
 async def test_the_operators_own_source_path_may_be_a_symlink(tree: tuple[Path, Path]) -> None:
@@ -280,8 +280,8 @@ async def test_the_operators_own_source_path_may_be_a_symlink(tree: tuple[Path, 
     src, _ = tree
     alias = src.parent / "alias"
     alias.symlink_to(src)  # SRC given as a symlink: followed once, when the mount starts
-    ops, parts = make_fs(alias)
-    assert parts["ns"].root_ino == src.stat().st_ino
+    ops, svc = make_fs(alias)
+    assert svc.namespace.root_ino == src.stat().st_ino
     assert await read_all(ops, await lookup_path(ops, "c2/a.txt")) == LEGIT
 
 
