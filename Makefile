@@ -34,6 +34,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check shadefs tests tools examples
 	$(VENV)/bin/ruff format --check shadefs tests tools examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The benchmarks, listed in tools/README.md. `make bench` runs the quick ones; `make bench
