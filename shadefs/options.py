@@ -139,6 +139,12 @@ MAX_ENTRY = Option[int | None](
     help="files larger than this are read through, not cached", shown="min(RAM/8, 256M)",
     meaning="larger files are read through (pass-through), never cached",
 )
+HANDLE_LIMIT = Option[int | None](
+    name="handle_limit", default=None, parse=parse_size, metavar="SIZE",
+    help="bytes open handles may keep alive outside the RAM budget", shown="the RAM budget",
+    meaning="evicted bytes that open files may keep alive above `--ram`; past it, new opens "
+    "of uncached files are read through",
+)
 SOURCE_TIMEOUT = Option(
     name="source_timeout", default=30.0, parse=parse_float, metavar="S",
     help="seconds before a source call fails with EIO", shown="30",
@@ -211,9 +217,9 @@ SYSTEMD = Option(
 )
 
 OPTIONS: tuple[Option[Any], ...] = (
-    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, SOURCE_TIMEOUT, SOURCE_THREADS, REVALIDATE,
-    PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, METRICS, ALLOW_OTHER, LOG,
-    LOG_LEVEL, FOREGROUND, SYSTEMD,
+    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, HANDLE_LIMIT, SOURCE_TIMEOUT, SOURCE_THREADS,
+    REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, METRICS,
+    ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -228,6 +234,7 @@ class MountOptions:
     ram: int  # RAM's default depends on the machine: default_ram()
     policy: str = POLICY.default
     max_entry: int | None = MAX_ENTRY.default
+    handle_limit: int | None = HANDLE_LIMIT.default
     allow_other: bool = ALLOW_OTHER.default
     foreground: bool = FOREGROUND.default
     systemd: bool = SYSTEMD.default

@@ -77,6 +77,7 @@ class Service:
             policy=opts.policy,
             score_of=self.sampling.score_of,
             max_entry=opts.max_entry,
+            handle_limit=opts.handle_limit,
             ssd=ssd,
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,

@@ -25,8 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from shadefs.common import format_size
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -156,6 +154,16 @@ class SsdStats:
 
 
 @dataclass(frozen=True, slots=True)
+class HandleStats:
+    """Bytes that open handles keep alive outside the RAM budget. JSON: `handles`."""
+
+    bytes: int  # held by open handles only (evicted or never admitted)
+    limit: int  # past it, new opens of uncached files are read through
+    open: int  # handles that hold bytes
+    passthrough_opens: int  # opens read through because of the limit
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """The cache: its tiers, admissions and RAM policy. JSON: `tiers`, `policy(_state)`,
     `ram_max_entry` and top-level fields of the same names."""
@@ -168,6 +176,7 @@ class CacheStats:
     fetches_shared: int
     blocked_seconds: float  # that opens spent waiting for the source
     policy: PolicyState
+    handles: HandleStats
     ssd: SsdStats | None = None
 
 
@@ -299,6 +308,7 @@ class Stats:
             "refused": cache.refused,
             "fetches_shared": cache.fetches_shared,
             "blocked_seconds": cache.blocked_seconds,
+            "handles": _dump(cache.handles),
             **_dump(self.namespace),
             "source_healthy": src.healthy,
             "source_timeouts": src.timeouts,
@@ -333,6 +343,7 @@ class Stats:
             ram=_load(RamStats, tiers["ram"]),
             max_entry=d["ram_max_entry"],
             policy=_load(PolicyState, d["policy_state"]),
+            handles=_load(HandleStats, d["handles"]),
             ssd=ssd,
         )
         source = SourceStats(
@@ -408,34 +419,3 @@ def snapshot(
         sampler=sampling.describe(),
         prefetch=prefetcher.describe() if prefetcher is not None else None,
     )
-
-
-def render_text(s: Stats) -> str:
-    """The human-readable `stats` file."""
-    c, cache, src, ns = s.counters, s.cache, s.source, s.namespace
-    state = s.cache.policy.to_json()
-    lines = [
-        f"shadefs {src.root} -> {s.mountpoint} (pid {s.pid}, up {s.uptime_s:.0f} s)",
-        f"policy        {cache.policy.name}  "
-        + " ".join(f"{k}={v}" for k, v in state.items() if k != "name"),
-        f"opens         {s.opens}  hits {c.hits}  misses {c.misses}  hit ratio {s.hit_ratio:.3f}",
-        f"ram           {format_size(cache.ram.bytes)} of {format_size(cache.ram.capacity)} "
-        f"in {s.files_cached} files (max entry {format_size(cache.max_entry)})",
-        f"admissions    admitted {cache.admitted}  refused {cache.refused}  "
-        f"evicted {cache.evictions}  shared fetches {cache.fetches_shared}",
-        f"bytes         served {format_size(c.bytes_served)}  "
-        f"from source {format_size(src.bytes_read)}",
-        f"source        {'healthy' if src.healthy else 'NOT ANSWERING'}  "
-        f"timeouts {src.timeouts}  errors {src.errors}",
-        f"namespace     {ns.inodes_known} inodes known, {ns.directories_listed} dirs listed",
-    ]
-    if cache.ssd is not None:
-        ssd, r = cache.ssd, cache.ssd.restore
-        lines.insert(
-            4,
-            f"ssd           {format_size(ssd.bytes)} of {format_size(ssd.capacity)} "
-            f"in {ssd.entries} files, {ssd.hits} hits, "
-            f"{ssd.corrupt_entries} corrupt entries, restore "
-            f"{'done' if r.done else 'running'} ({r.entries} entries)",
-        )
-    return "\n".join(lines) + "\n"

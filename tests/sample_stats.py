@@ -11,6 +11,7 @@ from typing import Any
 from shadefs.stats import (
     CacheStats,
     Counters,
+    HandleStats,
     NamespaceStats,
     PolicyState,
     PrefetchStats,
@@ -84,6 +85,7 @@ def full(**top: Any) -> Stats:
                 min_score=0.1,
                 max_score=0.9,
             ),
+            handles=HandleStats(bytes=2048, limit=4096, open=5, passthrough_opens=1),
             ssd=ssd,
         ),
         sampler=SamplerStats(

@@ -32,12 +32,13 @@ import numpy as np
 import pyfuse3
 import trio
 
+from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policy import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import Signature, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
-from shadefs.stats import CacheStats, Metrics, RamStats
+from shadefs.stats import CacheStats, HandleStats, Metrics, RamStats
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,13 @@ class Cache:
         ssd: SsdStore | None = None,
         key_of_ino: Callable[[int], int] | None = None,
         prefetch: PrefetchSettings | None = None,
+        handle_limit: int | None = None,
     ) -> None:
         """`policy` names the policy of every tier (ValueError if unknown); `score_of` gives
         a key's importance to the `shade` policy. `ssd` is the store of an SSD tier, whose
         restored entries get their keys from `key_of_ino`; `prefetch` None turns
-        prefetching off."""
+        prefetching off. `handle_limit` bounds the bytes open handles keep alive outside the
+        RAM tier (None: the RAM budget)."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -108,6 +111,9 @@ class Cache:
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, _Flight] = {}
+        self.handles = HandleLedger()
+        self._handle_limit = handle_limit
+        self.handle_passthrough = 0  # opens read through because handles held too much
         self.prefetcher: Prefetcher | None = None
         if prefetch is not None:
             self.prefetcher = Prefetcher(
@@ -143,6 +149,10 @@ class Cache:
         if self._max_entry is not None:
             return min(self._max_entry, self.capacity)
         return min(self.capacity // 8, 256 << 20)
+
+    @property
+    def handle_limit(self) -> int:
+        return self.capacity if self._handle_limit is None else self._handle_limit
 
     # --- the data path ----------------------------------------------------------------
 
@@ -180,6 +190,12 @@ class Cache:
                 return data
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
+            return None
+        if self.handles.held + st.st_size > self.handle_limit:
+            # Open handles already keep too much evicted data alive: read this one through
+            # rather than hold another copy outside the budget.
+            self.metrics.passthrough_opens += 1
+            self.handle_passthrough += 1
             return None
         t0 = time.monotonic()
         try:
@@ -273,11 +289,22 @@ class Cache:
         self.used += size
         self.admitted += 1
         self.policy.inserted(key, size)
+        self.handles.admitted(data)
 
     def _remove(self, key: int) -> None:
         entry = self.entries.pop(key)
         self.used -= len(entry.data)
         self.policy.removed(key)
+        self.handles.evicted(entry.data)
+
+    def pin(self, key: int, data: bytes) -> None:
+        """A new handle holds `data`, which `open(key)` returned."""
+        entry = self.entries.get(key)
+        self.handles.pin(data, entry is not None and entry.data is data)
+
+    def unpin(self, data: bytes) -> None:
+        """A handle that held `data` was released."""
+        self.handles.unpin(data)
 
     # --- control ----------------------------------------------------------------------
 
@@ -357,5 +384,11 @@ class Cache:
             fetches_shared=self.shared_fetches,
             blocked_seconds=round(self.blocked, 6),
             policy=self.policy.describe(),
+            handles=HandleStats(
+                bytes=self.handles.held,
+                limit=self.handle_limit,
+                open=self.handles.handles,
+                passthrough_opens=self.handle_passthrough,
+            ),
             ssd=self.ssd.describe() if self.ssd is not None else None,
         )

@@ -50,8 +50,9 @@ from shadefs.control.entries import (
     Spec,
 )
 from shadefs.control.service import ControlService, Rejected
+from shadefs.ops.stats_text import render_text
 from shadefs.sampling import wire
-from shadefs.stats import Metrics, Stats, render_text
+from shadefs.stats import Metrics, Stats
 
 log = logging.getLogger(__name__)
 

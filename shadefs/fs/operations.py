@@ -218,6 +218,7 @@ class Operations(pyfuse3.Operations):
         self._next_fh += 1
         if data is not None:
             self._mem[fh] = memoryview(data)
+            self.cache.pin(inode, data)
             # Without keep_cache the kernel drops the file's old pages as it opens it: the
             # page-cache invalidation of a changed file, with no reverse call that could
             # deadlock against a read in flight (reference/fuse-anchors.md §2).
@@ -239,7 +240,9 @@ class Operations(pyfuse3.Operations):
         return chunk
 
     async def release(self, fh: FileHandleT) -> None:
-        if self._mem.pop(fh, None) is not None:
+        mv = self._mem.pop(fh, None)
+        if mv is not None:
+            self.cache.unpin(cast(bytes, mv.obj))
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:
