@@ -19,7 +19,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.policy import make_policy
+from shadefs.cache.policies import make_policy
 from shadefs.cache.prefetch import Prefetcher
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier

@@ -25,7 +25,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.policy import Policy
+from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_store import Signature
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source

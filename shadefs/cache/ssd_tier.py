@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import trio
 
-from shadefs.cache.policy import Policy
+from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_store import BLOCK, HSIZE, Signature, SsdStore
 
 log = logging.getLogger(__name__)

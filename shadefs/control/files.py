@@ -33,7 +33,7 @@ import numpy as np
 import pyfuse3
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.policy import POLICIES, make_policy
+from shadefs.cache.policies import POLICIES, make_policy
 from shadefs.cache.prefetch import Plan, Prefetcher
 from shadefs.common import format_size, parse_size
 from shadefs.fs.namespace import Namespace
