@@ -46,7 +46,9 @@ from benchssd import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_store import BLOCK, HSIZE, NBUCKETS, CacheLocked, Signature, SsdStore
+from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature
+from shadefs.cache.ssd_ledger import NBUCKETS
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.common import format_size
 
 GiB = 1 << 30

@@ -14,7 +14,6 @@ import multiprocessing as mp
 import multiprocessing.pool
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 
 import xxhash
 
-from shadefs.cache.ssd_store import HEADER, MAGIC, VERSION, Signature, SsdStore
+from shadefs.cache.ssd_format import Signature, encode_header
+from shadefs.cache.ssd_store import SsdStore
 
 SHADEFS = [sys.executable, "-m", "shadefs"]
 
@@ -186,10 +186,8 @@ def entry_name(relpath: bytes) -> str:
 
 
 def encode_entry(relpath: bytes, data: bytes, sig: Signature) -> bytes:
-    """The exact bytes SsdStore.put writes for this entry (see the format in ssd.py)."""
-    fields = (MAGIC, VERSION, len(relpath), len(data), sig.size, sig.mtime_ns, sig.ino)
-    hashed = HEADER.pack(*fields, xxhash.xxh3_64_intdigest(data), 0)[: HEADER.size - 8]
-    return hashed + struct.pack("<Q", xxhash.xxh3_64_intdigest(hashed)) + relpath + data
+    """The exact bytes SsdStore.put writes for this entry (see cache/ssd_format.py)."""
+    return encode_header(relpath, data, sig) + relpath + data
 
 
 def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
@@ -200,8 +198,8 @@ def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
         raise RuntimeError(f"SsdStore.put refused {relpath!r}: is the disk full?")
     path = store.key_path(relpath)
     if path.name != entry_name(relpath) or path.parent.name != path.name[:3]:
-        raise RuntimeError(f"entry naming changed in ssd.py: {path}")
+        raise RuntimeError(f"entry naming changed in ssd_store.py: {path}")
     if path.read_bytes() != encode_entry(relpath, data, sig):
-        raise RuntimeError("the entry format changed in ssd.py: update encode_entry")
+        raise RuntimeError("the entry format changed in ssd_format.py: update encode_entry")
     if store.get(relpath, sig) != data:
         raise RuntimeError("SsdStore.get does not return what was put")

@@ -26,7 +26,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_store import Signature
+from shadefs.cache.ssd_format import Signature
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
 from shadefs.stats import Metrics

@@ -40,7 +40,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_store import Signature
+from shadefs.cache.ssd_format import Signature
 
 if TYPE_CHECKING:
     from shadefs.cache.coordinator import Cache
