@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -220,12 +219,12 @@ def test_damaged_entry_is_a_miss_on_get(store: SsdStore, how: str) -> None:
 @pytest.mark.parametrize("how", [c for c in CORRUPTIONS if c != "data"])
 def test_damaged_header_is_deleted_by_scan(tmp_path: Path, how: str) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         for i in range(5):
             assert s.put(b"f%d" % i, payload(i), sig_for(payload(i), ino=i))
         victim = s.key_path(b"f3")
     _corrupt(victim, how)
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         found = {rel: (size, sig) for rel, size, sig in s.scan()}
         assert set(found) == {b"f0", b"f1", b"f2", b"f4"}
         assert not victim.exists()
@@ -236,10 +235,10 @@ def test_damaged_header_is_deleted_by_scan(tmp_path: Path, how: str) -> None:
 def test_scan_trusts_headers_and_get_catches_damaged_data(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     data = payload(1)
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert s.put(b"f", data, sig_for(data))
         _corrupt(s.key_path(b"f"), "data")
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert [rel for rel, _, _ in s.scan()] == [b"f"]  # headers only, by design
         assert s.get(b"f", sig_for(data)) is None
         assert (s.corrupt_entries, s.entries, s.used_bytes, s.disk_bytes) == (1, 0, 0, 0)
@@ -247,14 +246,14 @@ def test_scan_trusts_headers_and_get_catches_damaged_data(tmp_path: Path) -> Non
 
 def test_scan_deletes_foreign_files_in_buckets(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert s.put(b"f", payload(1), sig_for(payload(1)))
         bucket = s.key_path(b"f").parent
     (bucket / "not-an-entry").write_bytes(b"hello")
     (bucket / ("0" * 32)).write_bytes(b"")
     # A valid entry stored under the wrong name: its relpath would lie about what is cached.
     (bucket / ("f" * 32)).write_bytes(s.key_path(b"f").read_bytes())
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert [rel for rel, _, _ in s.scan()] == [b"f"]
         assert s.corrupt_entries == 3
         assert sorted(p.name for p in bucket.iterdir()) == [s.key_path(b"f").name]
@@ -280,12 +279,12 @@ def plant_v1(store: SsdStore, relpath: bytes, data: bytes, s: Signature) -> Path
 def test_version_1_entry_is_never_served(tmp_path: Path, caplog) -> None:
     root = tmp_path / "cache"
     data, good = payload(1), payload(2)
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert s.put(b"good", good, sig_for(good))
         # Its size, mtime and inode match what the caller asks for; only ctime is unknown.
         old = plant_v1(s, b"old", data, sig_for(data))
     caplog.set_level(logging.DEBUG, logger="shadefs")
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert s.get(b"old", sig_for(data)) is None
         assert not old.exists()
         assert (s.stale_entries, s.ledger.outdated_entries, s.corrupt_entries) == (1, 1, 0)
@@ -295,12 +294,12 @@ def test_version_1_entry_is_never_served(tmp_path: Path, caplog) -> None:
 
 def test_scan_drops_version_1_entries_and_says_so_once(tmp_path: Path, caplog) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         for i in range(5):
             assert s.put(b"new%d" % i, payload(i), sig_n(1000, i))
         old = [plant_v1(s, b"old%d" % i, payload(i), sig_n(1000, i)) for i in range(20)]
     caplog.set_level(logging.DEBUG, logger="shadefs")
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         found = {rel: sig for rel, _, sig in s.scan()}
         assert found == {b"new%d" % i: sig_n(1000, i) for i in range(5)}
         assert not any(p.exists() for p in old)
@@ -314,12 +313,12 @@ def test_scan_drops_version_1_entries_and_says_so_once(tmp_path: Path, caplog) -
 
 def test_damaged_version_1_entry_is_corrupt(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         path = plant_v1(s, b"old", payload(1), sig_for(payload(1)))
     raw = bytearray(path.read_bytes())
     raw[20] ^= 0x01  # inside the old header's checksummed fields
     path.write_bytes(bytes(raw))
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert list(s.scan()) == []
         assert (s.corrupt_entries, s.ledger.outdated_entries) == (1, 0)
 
@@ -330,14 +329,14 @@ def test_damaged_version_1_entry_is_corrupt(tmp_path: Path) -> None:
 def test_scan_after_restart_finds_every_entry_and_sweeps_tmp(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     want = {}
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         for i in range(50):
             data = payload(i, 100 + i)
             want[b"d/%d" % i] = (len(data), sig_for(data, mtime_ns=i, ino=1000 + i))
             assert s.put(b"d/%d" % i, data, want[b"d/%d" % i][1])
         used, disk = s.used_bytes, s.disk_bytes
     (root / "tmp" / "123-abc-0.tmp").write_bytes(b"partial")
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         assert s.entries == 0  # unknown until the restore has walked the buckets
         found = {rel: (size, sig) for rel, size, sig in s.scan()}
         assert found == want
@@ -356,7 +355,7 @@ def test_scan_after_crash(tmp_path: Path) -> None:
         (bucket / ("abc" + "0" * 29)).write_bytes(b"SHDE\x02\x00")  # a torn entry
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         found = {rel: (size, sig) for rel, size, sig in s.scan()}
         assert found == {b"dir/f%d" % i: (800, sig_n(800, i)) for i in range(20)}
         assert s.corrupt_entries == 1
@@ -452,7 +451,7 @@ def test_min_free_floor(tmp_path: Path) -> None:
 
 
 def test_capacity_and_watermarks(tmp_path: Path) -> None:
-    with closing(SsdStore(tmp_path / "cache", 10 * 4096, min_free=0)) as s:
+    with SsdStore(tmp_path / "cache", 10 * 4096, min_free=0) as s:
         assert s.bytes_to_free() == 0 and not s.over_high_watermark()
         for i in range(9):
             assert s.put(b"f%d" % i, payload(i, 4000), sig_for(payload(i, 4000)))
@@ -546,7 +545,7 @@ def test_concurrent_puts_and_removes_keep_exact_accounting(tmp_path: Path) -> No
 
 def test_scan_concurrent_with_puts_and_removes(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         for i in range(400):
             assert s.put(b"old%d" % i, payload(i, 10 + i), sig_for(payload(i, 10 + i)))
     s = SsdStore(root, BIG, min_free=0)
@@ -576,7 +575,7 @@ def test_scan_concurrent_with_puts_and_removes(tmp_path: Path) -> None:
 
 def test_mutations_in_the_bucket_being_scanned_are_counted_once(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    with closing(SsdStore(root, BIG, min_free=0)) as s:
+    with SsdStore(root, BIG, min_free=0) as s:
         same = [b"s%d" % i for i in range(100_000) if s.key_path(b"s%d" % i).parent.name == "abc"]
         assert len(same) >= 5
         for rel in same[:4]:

@@ -123,6 +123,12 @@ class SsdStore:
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
 
+    def __enter__(self) -> SsdStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- keys and counters -------------------------------------------------------------------
 
     def _key(self, relpath: bytes) -> tuple[int, str, str]:
