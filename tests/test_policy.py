@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shadefs.cache.policy import EpochPolicy, LruPolicy, Policy, make_policy
+from shadefs.cache.policies import EpochPolicy, LruPolicy, Policy, make_policy
 
 
 def simulate(policy: Policy, sizes: np.ndarray, capacity: int, epochs: int, seed: int = 0):
@@ -121,7 +121,7 @@ def test_restored_entries_are_protected_and_do_not_start_epochs() -> None:
 def test_ranked_walks_never_offer_an_entry_twice() -> None:
     """A score that drops below entries already offered must not shift one of them back
     under the walk (that returned [0, 1, 1] and crashed the cache with a KeyError)."""
-    from shadefs.cache.policy import BeladyPolicy, ShadePolicy
+    from shadefs.cache.policies import BeladyPolicy, ShadePolicy
 
     scores = {k: float(k) for k in range(6)}
     shade = ShadePolicy(lambda k: scores[k])

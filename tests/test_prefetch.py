@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shadefs.cache.policy import BeladyPolicy
+from shadefs.cache.policies import BeladyPolicy
 from shadefs.cache.prefetch import Plan, Prefetcher
 from tests.conftest import require_fuse, shadefs_cmd
 

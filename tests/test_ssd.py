@@ -1,10 +1,14 @@
-"""Tests for shadefs.cache.ssd_store: the entry store never serves wrong bytes and counts right."""
+"""Tests for the SSD entry store (ssd_store, ssd_format, ssd_ledger): it never serves wrong
+bytes and counts right."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -12,17 +16,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs.cache.ssd_store import HSIZE, CacheLocked, Signature, SsdStore
+from shadefs.cache.ssd_format import HSIZE, Signature
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = 1 << 40  # a capacity that never binds
 
 
-def sig_for(data: bytes, mtime_ns: int = 1_700_000_000_000_000_000, ino: int = 42) -> Signature:
-    return Signature(size=len(data), mtime_ns=mtime_ns, ino=ino)
+def sig_for(
+    data: bytes, mtime_ns: int = 1_700_000_000_000_000_000, ino: int = 42, ctime_ns: int = 7
+) -> Signature:
+    return Signature(size=len(data), mtime_ns=mtime_ns, ctime_ns=ctime_ns, ino=ino)
+
+
+def sig_n(size: int, n: int) -> Signature:
+    return Signature(size=size, mtime_ns=n, ctime_ns=n, ino=n)
 
 
 def payload(i: int, n: int = 1000) -> bytes:
@@ -55,11 +67,12 @@ def tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from shadefs.cache.ssd_store import Signature, SsdStore
+from shadefs.cache.ssd_format import Signature
+from shadefs.cache.ssd_store import SsdStore
 s = SsdStore(Path(sys.argv[1]), 1 << 40, min_free=0)
 for i in range(int(sys.argv[2])):
     data = (b"%08d" % i) * 100
-    assert s.put(b"dir/f%d" % i, data, Signature(len(data), i, i))
+    assert s.put(b"dir/f%d" % i, data, Signature(size=len(data), mtime_ns=i, ctime_ns=i, ino=i))
 (Path(sys.argv[1]) / "tmp" / "half-written.tmp").write_bytes(b"SHDE torn")
 print("ready", flush=True)
 time.sleep(600)
@@ -92,9 +105,9 @@ def test_round_trip_and_accounting(store: SsdStore) -> None:
     data = payload(1, 5000)
     sig = sig_for(data)
     assert store.get(b"a/b.jpg", sig) is None
-    assert not store.contains(b"a/b.jpg")
+    assert not store.key_path(b"a/b.jpg").exists()
     assert store.put(b"a/b.jpg", data, sig)
-    assert store.contains(b"a/b.jpg")
+    assert store.key_path(b"a/b.jpg").exists()
     assert store.get(b"a/b.jpg", sig) == data
     assert store.put(b"empty", b"", sig_for(b""))
     assert store.get(b"empty", sig_for(b"")) == b""
@@ -120,11 +133,12 @@ def test_put_accepts_memoryview(store: SsdStore) -> None:
 @pytest.mark.parametrize(
     "other",
     [
-        lambda s: Signature(s.size + 1, s.mtime_ns, s.ino),
-        lambda s: Signature(s.size, s.mtime_ns + 1, s.ino),
-        lambda s: Signature(s.size, s.mtime_ns, s.ino + 1),
+        lambda s: dataclasses.replace(s, size=s.size + 1),
+        lambda s: dataclasses.replace(s, mtime_ns=s.mtime_ns + 1),
+        lambda s: dataclasses.replace(s, ctime_ns=s.ctime_ns + 1),
+        lambda s: dataclasses.replace(s, ino=s.ino + 1),
     ],
-    ids=["size", "mtime", "ino"],
+    ids=["size", "mtime", "ctime", "ino"],
 )
 def test_stale_signature_is_a_miss_and_deletes(store: SsdStore, other) -> None:
     data = payload(1)
@@ -141,14 +155,16 @@ def test_signature_of_stat(tmp_path: Path) -> None:
     f = tmp_path / "f"
     f.write_bytes(b"12345")
     st_ = f.stat()
-    assert Signature.of(st_) == Signature(5, st_.st_mtime_ns, st_.st_ino)
+    assert Signature.of(st_) == Signature(
+        size=5, mtime_ns=st_.st_mtime_ns, ctime_ns=st_.st_ctime_ns, ino=st_.st_ino
+    )
 
 
 def test_put_refuses_data_that_disagrees_with_signature(store: SsdStore) -> None:
     # A source read torn by a concurrent change: length differs from the stat taken.
-    assert not store.put(b"x", b"abc", Signature(4, 0, 0))
-    assert not store.put(b"x", b"abc", Signature(3, 0, -1))  # does not fit the header
-    assert not store.put(b"x" * 70000, b"abc", Signature(3, 0, 0))  # relpath too long
+    assert not store.put(b"x", b"abc", sig_n(4, 0))
+    assert not store.put(b"x", b"abc", sig_n(3, -1))  # an inode of -1 does not fit the header
+    assert not store.put(b"x" * 70000, b"abc", sig_n(3, 0))  # relpath too long
     assert store.entries == 0 and not files_under(store.root / "data")
 
 
@@ -173,7 +189,7 @@ def _corrupt(path: Path, how: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-HEADER_OFFSETS = [0, 4, 6, 8, 16, 24, 32, 40, 48]
+HEADER_OFFSETS = [0, 4, 6, 8, 16, 24, 32, 40, 48, 56]
 CORRUPTIONS = [
     "data",
     *(f"header{o}" for o in HEADER_OFFSETS),
@@ -243,6 +259,70 @@ def test_scan_deletes_foreign_files_in_buckets(tmp_path: Path) -> None:
         assert sorted(p.name for p in bucket.iterdir()) == [s.key_path(b"f").name]
 
 
+# -- entries of format version 1 (no ctime_ns) -----------------------------------------------
+
+
+def v1_entry(relpath: bytes, data: bytes, mtime_ns: int, ino: int) -> bytes:
+    """An entry as version 1 wrote it: a 56-byte header without ctime_ns."""
+    fields = (b"SHDE", 1, len(relpath), len(data), len(data), mtime_ns, ino)
+    hashed = struct.pack("<4sHHQQqQQ", *fields, xxhash.xxh3_64_intdigest(data))
+    return hashed + struct.pack("<Q", xxhash.xxh3_64_intdigest(hashed)) + relpath + data
+
+
+def plant_v1(store: SsdStore, relpath: bytes, data: bytes, s: Signature) -> Path:
+    path = store.key_path(relpath)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(v1_entry(relpath, data, s.mtime_ns, s.ino))
+    return path
+
+
+def test_version_1_entry_is_never_served(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "cache"
+    data, good = payload(1), payload(2)
+    with SsdStore(root, BIG, min_free=0) as s:
+        assert s.put(b"good", good, sig_for(good))
+        # Its size, mtime and inode match what the caller asks for; only ctime is unknown.
+        old = plant_v1(s, b"old", data, sig_for(data))
+    caplog.set_level(logging.DEBUG, logger="shadefs")
+    with SsdStore(root, BIG, min_free=0) as s:
+        assert s.get(b"old", sig_for(data)) is None
+        assert not old.exists()
+        assert (s.stale_entries, s.ledger.outdated_entries, s.corrupt_entries) == (1, 1, 0)
+        assert s.get(b"good", sig_for(good)) == good
+        assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_scan_drops_version_1_entries_and_says_so_once(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "cache"
+    with SsdStore(root, BIG, min_free=0) as s:
+        for i in range(5):
+            assert s.put(b"new%d" % i, payload(i), sig_n(1000, i))
+        old = [plant_v1(s, b"old%d" % i, payload(i), sig_n(1000, i)) for i in range(20)]
+    caplog.set_level(logging.DEBUG, logger="shadefs")
+    with SsdStore(root, BIG, min_free=0) as s:
+        found = {rel: sig for rel, _, sig in s.scan()}
+        assert found == {b"new%d" % i: sig_n(1000, i) for i in range(5)}
+        assert not any(p.exists() for p in old)
+        assert (s.stale_entries, s.ledger.outdated_entries, s.corrupt_entries) == (20, 20, 0)
+        assert (s.entries, s.used_bytes) == (5, 5000)
+        assert s.get(b"old3", sig_n(1000, 3)) is None  # gone, not resurrected
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert sum("another format" in m for m in infos) == 1, infos
+
+
+def test_damaged_version_1_entry_is_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    with SsdStore(root, BIG, min_free=0) as s:
+        path = plant_v1(s, b"old", payload(1), sig_for(payload(1)))
+    raw = bytearray(path.read_bytes())
+    raw[20] ^= 0x01  # inside the old header's checksummed fields
+    path.write_bytes(bytes(raw))
+    with SsdStore(root, BIG, min_free=0) as s:
+        assert list(s.scan()) == []
+        assert (s.corrupt_entries, s.ledger.outdated_entries) == (1, 0)
+
+
 # -- restart, crash, lock ------------------------------------------------------------------
 
 
@@ -272,16 +352,16 @@ def test_scan_after_crash(tmp_path: Path) -> None:
     with holder(root, n=20) as proc:
         bucket = root / "data" / "abc"
         bucket.mkdir(exist_ok=True)
-        (bucket / ("abc" + "0" * 29)).write_bytes(b"SHDE\x01\x00")  # a torn entry
+        (bucket / ("abc" + "0" * 29)).write_bytes(b"SHDE\x02\x00")  # a torn entry
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     with SsdStore(root, BIG, min_free=0) as s:
         found = {rel: (size, sig) for rel, size, sig in s.scan()}
-        assert found == {b"dir/f%d" % i: (800, Signature(800, i, i)) for i in range(20)}
+        assert found == {b"dir/f%d" % i: (800, sig_n(800, i)) for i in range(20)}
         assert s.corrupt_entries == 1
         assert list((root / "tmp").iterdir()) == []
         data = (b"%08d" % 5) * 100
-        assert s.get(b"dir/f5", Signature(800, 5, 5)) == data
+        assert s.get(b"dir/f5", sig_n(800, 5)) == data
 
 
 def test_second_daemon_is_refused_with_holder_pid(tmp_path: Path) -> None:
@@ -342,7 +422,7 @@ def test_real_enospc_leaves_old_entry_and_no_tmp(tmp_path: Path, monkeypatch) ->
             assert s.put(b"k", big, sig_for(big)) is False
             assert s.get(b"k", sig_for(old)) == old
             assert s.put(b"other", big, sig_for(big)) is False
-            assert not s.contains(b"other")
+            assert not s.key_path(b"other").exists()
             assert list((mnt / "cache" / "tmp").iterdir()) == []
             assert (s.entries, s.used_bytes) == (1, 1000)
         finally:
@@ -364,7 +444,7 @@ def test_min_free_floor(tmp_path: Path) -> None:
             assert s.disk_free() - 104 * 1024 < s.min_free
             assert s.over_high_watermark() is False
             s.min_free = s.disk_free() + 1
-            assert s.over_high_watermark() and not s.below_low_watermark()
+            assert s.over_high_watermark() and s.bytes_to_free() >= 1
             assert not s.put(b"tiny", b"x", sig_for(b"x"))
         finally:
             s.close()
@@ -372,17 +452,19 @@ def test_min_free_floor(tmp_path: Path) -> None:
 
 def test_capacity_and_watermarks(tmp_path: Path) -> None:
     with SsdStore(tmp_path / "cache", 10 * 4096, min_free=0) as s:
-        assert s.below_low_watermark() and not s.over_high_watermark()
+        assert s.bytes_to_free() == 0 and not s.over_high_watermark()
         for i in range(9):
             assert s.put(b"f%d" % i, payload(i, 4000), sig_for(payload(i, 4000)))
         assert s.disk_bytes == 9 * 4096
-        assert not s.over_high_watermark() and not s.below_low_watermark()
+        assert not s.over_high_watermark() and s.bytes_to_free() == 9 * 4096 - int(
+            0.85 * s.capacity
+        )
         assert s.put(b"f9", payload(9, 4000), sig_for(payload(9, 4000)))
         assert s.over_high_watermark()
         # The store never grows past capacity, whatever the evicter does.
         assert not s.put(b"f10", payload(10, 10), sig_for(payload(10, 10)))
         s.capacity = 20 * 4096
-        assert s.below_low_watermark()
+        assert s.bytes_to_free() == 0
 
 
 # -- layout --------------------------------------------------------------------------------

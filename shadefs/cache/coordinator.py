@@ -33,9 +33,10 @@ import pyfuse3
 import trio
 
 from shadefs.cache.handles import HandleLedger
-from shadefs.cache.policy import POLICIES, Policy, make_policy
+from shadefs.cache.policies import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
-from shadefs.cache.ssd_store import Signature, SsdStore
+from shadefs.cache.ssd_format import Signature
+from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.source import Source
 from shadefs.stats import CacheStats, HandleStats, Metrics, RamStats

@@ -44,7 +44,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_store import Signature
+from shadefs.cache.ssd_format import Signature
 from shadefs.stats import PrefetchStats
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The SSD tier: which files are on local disk, how they get there, and when they leave.
 
-`ssd.SsdStore` does the file I/O and guarantees that no wrong byte is ever served. This
+`ssd_store.SsdStore` does the file I/O and guarantees that no wrong byte is ever served. This
 module adds the tier's index and policy, and the background work:
 
 - **Write-behind.** A file fetched from the source is queued for the SSD. Writer tasks
@@ -24,15 +24,15 @@ derived from the source inode in its signature, the same way the namespace deriv
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import trio
 
-from shadefs.cache.policy import Policy
-from shadefs.cache.ssd_store import BLOCK, HSIZE, Signature, SsdStore
+from shadefs.cache.policies import Policy
+from shadefs.cache.ssd_format import Signature, disk_size, entry_size
+from shadefs.cache.ssd_store import SsdStore
 from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class SsdTier:
     @staticmethod
     def disk_size(relpath: bytes, size: int) -> int:
         """What one entry costs on disk (the store's `disk_bytes` accounting)."""
-        return math.ceil((HSIZE + len(relpath) + size) / BLOCK) * BLOCK
+        return disk_size(entry_size(len(relpath), size))
 
     # --- the read path ------------------------------------------------------------------
 
@@ -257,9 +257,7 @@ class SsdTier:
             self._wake_evictor = trio.Event()
             if not self.store.over_high_watermark():
                 continue
-            need = self.store.disk_bytes - int(0.85 * self.capacity)
-            need = max(need, self.store.min_free - self.store.disk_free())
-            victims = self.policy.shrink(need)
+            victims = self.policy.shrink(self.store.bytes_to_free())
             log.info("SSD tier above its high watermark: evicting %d entries", len(victims))
             for key in victims:
                 await self._evict(key)
@@ -296,7 +294,7 @@ class SsdTier:
         )
 
 
-def _next_chunk(scan) -> list[tuple[bytes, int, Signature]]:  # type: ignore[no-untyped-def]
+def _next_chunk(scan: Iterator[tuple[bytes, int, Signature]]) -> list[tuple[bytes, int, Signature]]:
     out = []
     for item in scan:
         out.append(item)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
+from shadefs.cache.ssd_format import Signature
 from shadefs.source import Source
 from shadefs.stats import NamespaceStats
 
@@ -239,11 +240,7 @@ class Namespace:
         self.revalidations += 1
         node.checked = now
         old = node.st
-        changed = (st.st_size, st.st_mtime_ns, st.st_ino) != (
-            old.st_size,
-            old.st_mtime_ns,
-            old.st_ino,
-        )
+        changed = Signature.of(st) != Signature.of(old)
         if changed:
             self.changed_files += 1
             log.info("%r changed on the source: refetching", node.path)

@@ -24,7 +24,6 @@ import os
 import random
 import secrets
 import shutil
-import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -45,17 +44,9 @@ from benchlib import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_store import (
-    BLOCK,
-    HEADER,
-    HSIZE,
-    MAGIC,
-    NBUCKETS,
-    VERSION,
-    CacheLocked,
-    Signature,
-    SsdStore,
-)
+from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature, encode_header
+from shadefs.cache.ssd_ledger import NBUCKETS
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.common import format_size
 
 GiB = 1 << 30
@@ -119,10 +110,8 @@ def entry_name(relpath: bytes) -> str:
 
 
 def encode_entry(relpath: bytes, data: bytes, sig: Signature) -> bytes:
-    """The exact bytes SsdStore.put writes for this entry (see the format in ssd_store.py)."""
-    fields = (MAGIC, VERSION, len(relpath), len(data), sig.size, sig.mtime_ns, sig.ino)
-    hashed = HEADER.pack(*fields, xxhash.xxh3_64_intdigest(data), 0)[: HEADER.size - 8]
-    return hashed + struct.pack("<Q", xxhash.xxh3_64_intdigest(hashed)) + relpath + data
+    """The exact bytes SsdStore.put writes for this entry (see cache/ssd_format.py)."""
+    return encode_header(relpath, data, sig) + relpath + data
 
 
 def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
