@@ -42,6 +42,7 @@ import enum
 import os
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -78,12 +79,13 @@ BLOCK = 4096  # the allocation unit we charge for, as du does on ext4/xfs
 MAX_RELPATH = 0xFFFF
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Signature:
+class Signature(NamedTuple):
     """The source file's identity when it was cached; any change makes the entry stale.
 
     ctime_ns is there because it is the one field a writer cannot put back: size and mtime
     can be restored after an in-place rewrite (utime), ctime moves on with every change.
+    A tuple rather than a frozen dataclass: one is built and compared on every open, and a
+    tuple costs a fraction of a frozen dataclass's __init__.
     """
 
     size: int
@@ -93,7 +95,7 @@ class Signature:
 
     @classmethod
     def of(cls, st: os.stat_result) -> Signature:
-        return cls(size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns, ino=st.st_ino)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 class Verdict(enum.Enum):
