@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
 from benchlib import (
     can_drop_caches,
     describe_disk,
@@ -44,7 +43,7 @@ from benchlib import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature, encode_header
+from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature, encode_header, entry_name
 from shadefs.cache.ssd_ledger import NBUCKETS
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.common import format_size
@@ -102,11 +101,6 @@ class Run:
 
 
 # --- SSD entries written without the daemon ----------------------------------------------
-
-
-def entry_name(relpath: bytes) -> str:
-    """The entry's file name (SsdStore._key); checked against key_path by check_encoder."""
-    return xxhash.xxh3_128_hexdigest(relpath)
 
 
 def encode_entry(relpath: bytes, data: bytes, sig: Signature) -> bytes:
