@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -34,10 +35,11 @@ from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
+from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.source import Source
-from shadefs.stats import Metrics, Stats, snapshot
+from shadefs.stats import JobStats, Metrics, Stats, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class Service:
             ssd=ssd,
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
+            jobs=JobTable(opts.job_idle),
         )
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
@@ -126,7 +129,14 @@ class Service:
             cache=self.cache,
             sampling=self.sampling,
             prefetcher=self.prefetcher,
+            jobs=self.jobs(),
         )
+
+    def jobs(self) -> tuple[JobStats, ...]:
+        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy."""
+        table = self.cache.jobs
+        self.cache.expire_jobs(time.monotonic())
+        return tuple(table.describe(self.cache.job_epochs()))
 
     # --- ControlService: what can be asked for -------------------------------------------
 
