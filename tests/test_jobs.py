@@ -283,11 +283,21 @@ def test_the_pid_cache_and_job_expiry() -> None:
 def test_a_named_job_takes_over_its_processes() -> None:
     table = JobTable()
     now = time.monotonic()
-    table.row_of(os.getpid(), now)
-    named = table.name(os.getpid(), "trial-3", group="sweep")
-    assert table.row_of(os.getpid(), now) == named
+    row = table.row_of(os.getpid(), now)
+    assert table.name(os.getpid(), "trial-3", group="sweep") == (row, None)  # renamed in place
+    assert table.row_of(os.getpid(), now) == row
     (job,) = table.describe({})
     assert (job.id, job.group) == ("trial-3", "sweep")
+    # A second process naming itself alike joins that job (its own row ends).
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = table.row_of(other.pid, now)
+        assert mine != row
+        assert table.name(other.pid, "trial-3") == (row, mine)
+        assert table.row_of(other.pid, now) == row and len(table.jobs) == 1
+    finally:
+        other.kill()
+        other.wait()
 
 
 # --- through a real mount -------------------------------------------------------------
@@ -332,3 +342,44 @@ def test_jobs_through_a_mount_and_their_expiry(tmp_path: Path, mounter) -> None:
     time.sleep(2.5)
     stats = json.loads((m.mnt / ".shadefs" / "stats.json").read_bytes())
     assert stats["jobs"] == []
+
+
+# --- sweep groups ---------------------------------------------------------------------
+
+
+def test_a_group_shares_one_order_per_epoch_whatever_the_table_does(tmp_path: Path) -> None:
+    import trio
+
+    from shadefs.control import commands
+    from shadefs.options import MountOptions
+    from shadefs.sampling import wire
+    from shadefs.service import Service
+    from tests.conftest import make_tree
+
+    make_tree(tmp_path / "src", {f"c/f{i}": b"x" * (100 + i) for i in range(64)})
+    service = Service(MountOptions(source=str(tmp_path / "src"), mountpoint="/unused", ram=1 << 20))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    me = os.getpid()
+
+    async def run() -> None:
+        await service.register_dataset([f"c/f{i}" for i in range(64)])
+        for pid, name in ((me, "a"), (other.pid, "b")):
+            await commands.execute(service, f"job {name} group=sweep".encode(), pid)
+        for epoch in range(2):
+            first = service.order(wire.OrderRequest(epoch, 0, 1, seed=1), me)
+            # Losses arrive between the members' requests: the table changes, not the order.
+            losses = wire.encode_losses(np.arange(64), np.linspace(0, 5, 64, dtype=np.float32))
+            service.ingest_losses(losses)
+            second = service.order(wire.OrderRequest(epoch, 0, 1, seed=2), other.pid)
+            assert np.array_equal(first, second)
+        # Outside the group, another seed gives another order.
+        alone = service.order(wire.OrderRequest(1, 0, 1, seed=2))
+        assert not np.array_equal(alone, second)
+        jobs = {j.id: j.group for j in service.stats().jobs}
+        assert jobs == {"a": "sweep", "b": "sweep"}
+
+    try:
+        trio.run(run)
+    finally:
+        other.kill()
+        other.wait()

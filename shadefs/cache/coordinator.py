@@ -368,6 +368,15 @@ class Cache:
             if self.ssd is not None:
                 self.ssd.policy.job_ended(row)
 
+    def name_job(self, pid: int, name: str, group: str) -> int:
+        """Name `pid`'s job (a sampler's registration); returns its row."""
+        row, merged = self.jobs.name(pid, name, group)
+        if merged is not None:
+            self.policy.job_ended(merged)
+            if self.ssd is not None:
+                self.ssd.policy.job_ended(merged)
+        return row
+
     def job_epochs(self) -> dict[int, int]:
         """The RAM policy's epoch of each job row it tracks."""
         return self.policy.job_epochs()

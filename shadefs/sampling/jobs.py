@@ -180,21 +180,37 @@ class JobTable:
         """The row of the job that reader `pid` belongs to."""
         return self.job_of(pid, now).row
 
-    def name(self, pid: int, name: str, group: str = "") -> int:
-        """Reads of `pid`'s job count from now on under `name` (a sampler's registration)."""
-        now = time.monotonic()
-        old = self.row_of(pid, now) if pid > 0 else None
-        row = self._row_for(name, group)
-        if old is not None and old != row:
-            job, named = self.jobs[old], self.jobs[row]
-            for p in job.pids:
-                cached = self._pids.get(p)
-                if cached is not None:
-                    self._pids[p] = (named, cached[1], cached[2])
-            named.pids |= job.pids
-            job.pids.clear()
-            self._drop(old)
-        return row
+    def name(self, pid: int, name: str, group: str = "") -> tuple[int, int | None]:
+        """`pid`'s job is called `name` from now on, in sweep group `group` (a sampler's
+        registration). Returns (its row, the row of a job merged into an existing job of
+        that name, or None): the caller ends the merged row in the policies."""
+        job = self.job_of(pid, time.monotonic())
+        other = self._by_id.get(name)
+        if other is None or other == job.row:
+            del self._by_id[job.id]
+            job.id = name
+            self._by_id[name] = job.row
+            job.group = group
+            return job.row, None
+        named = self.jobs[other]
+        if group:
+            named.group = group
+        for p in job.pids:
+            cached = self._pids.get(p)
+            if cached is not None:
+                self._pids[p] = (named, cached[1], cached[2])
+        named.pids |= job.pids
+        job.pids.clear()
+        self._drop(job.row)
+        return other, job.row
+
+    def members(self, group: str) -> int:
+        """How many active jobs belong to sweep group `group`."""
+        return sum(1 for job in self.jobs.values() if job.group == group)
+
+    def group_of(self, pid: int) -> str:
+        """The sweep group of `pid`'s job ("" for none)."""
+        return self.job_of(pid, time.monotonic()).group
 
     def _drop(self, row: int) -> None:
         job = self.jobs.pop(row)

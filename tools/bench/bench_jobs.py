@@ -100,8 +100,9 @@ def part_unchanged(args: argparse.Namespace, tmp: Path, src: Path, rels: list[st
         )
 
 
-def sampler_job(mnt: Path, group: str, seed: int, epochs: int) -> None:
-    """One ShadeSampler job of `group` (no model: it reads what the order says)."""
+def sampler_job(mnt: Path, group: str, seed: int, epochs: int, gate: Path) -> None:
+    """One ShadeSampler job of `group` (no model: it reads what the order says); it starts
+    reading once every job has registered (`gate` appears), so that they run together."""
     from torch.utils.data import DataLoader, Dataset
 
     from shadefs.torch import ShadeSampler
@@ -120,6 +121,9 @@ def sampler_job(mnt: Path, group: str, seed: int, epochs: int) -> None:
     rels = sorted(str(p) for p in mnt.rglob("*.bin"))
     data = Files(rels)
     sampler = ShadeSampler(data, group=group or None, seed=seed)
+    (gate.parent / f"ready-{os.getpid()}").touch()
+    while not gate.exists():
+        time.sleep(0.01)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for _ in DataLoader(data, sampler=sampler, batch_size=32):
@@ -136,14 +140,29 @@ def part_group(args: argparse.Namespace, tmp: Path, src: Path, rels: list[str]) 
     fetched: dict[int, Any] = {}
     for jobs in (1, args.jobs):
         with mounted(src, tmp / f"mnt-g{jobs}", "--ram", str(ram)) as m:
+            gates = tmp / f"gates{jobs}"
+            gates.mkdir()
             cmd = [sys.executable, __file__, "--sampler", str(m), "sweep", "7"]
-            cmd.append(str(args.group_epochs))
+            cmd += [str(args.group_epochs), str(gates / "go")]
             procs = [subprocess.Popen(cmd) for _ in range(jobs)]
+            while len(list(gates.glob("ready-*"))) < jobs:
+                time.sleep(0.05)
+            (gates / "go").touch()
             for p in procs:
                 if p.wait() != 0:
                     raise SystemExit(f"a sampler job failed with {p.returncode}")
             s = stats(m)
         fetched[jobs] = s["bytes_from_source"]
+        if args.verbose:
+            for job in s["jobs"]:
+                print(
+                    f"  {job['id']}: epoch {job['epoch']}, hits {job['hits']}, "
+                    f"misses {job['misses']}"
+                )
+            print(
+                f"  evictions {s['evictions']}, refused {s['refused']}, "
+                f"shared fetches {s['fetches_shared']}, prefetch {s.get('prefetch')}"
+            )
         print(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
             f"hit ratio {s['hit_ratio']:.3f}"
@@ -157,8 +176,8 @@ def main() -> None:
         reader(Path(mnt), Path(listing), int(seed), int(epochs), Path(out))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--sampler":
-        mnt, group, seed, epochs = sys.argv[2:6]
-        sampler_job(Path(mnt), group, int(seed), int(epochs))
+        mnt, group, seed, epochs, gate = sys.argv[2:7]
+        sampler_job(Path(mnt), group, int(seed), int(epochs), Path(gate))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=1000)
@@ -171,6 +190,7 @@ def main() -> None:
     ap.add_argument("--part", default="unchanged,group")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp_name:
         tmp = Path(tmp_name)
