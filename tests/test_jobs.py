@@ -383,3 +383,32 @@ def test_a_group_shares_one_order_per_epoch_whatever_the_table_does(tmp_path: Pa
     finally:
         other.kill()
         other.wait()
+
+
+def test_group_members_want_what_a_member_ahead_read_and_what_the_order_holds() -> None:
+    planned_keys: set[int] = set()
+    policy = EpochPolicy(lambda keys: np.isin(keys, list(planned_keys)))
+    for row in (0, 1):
+        policy.job_named(row, "sweep")
+    policy.job_named(2, "")  # a job of no group reads everything every epoch
+    for row in (0, 1, 2):
+        policy.accessed(99, False, row)
+        policy.begin_epoch(0, row)
+    # The group's order is 1, 2, 3, 3 (3 replayed); member 0 is ahead of member 1.
+    for key in (1, 2, 3):
+        policy.accessed(key, False, 0)
+    policy.accessed(1, False, 1)
+    reads = policy.reads
+    # 1: both members read it; only the ungrouped job still wants it.
+    assert reads.demand(1) == 1
+    # 2 and 3: member 0 read them, member 1 has not yet; and the ungrouped job.
+    assert reads.demand(2) == 2 and reads.demand(3) == 2
+    policy.accessed(2, False, 1)
+    policy.accessed(3, False, 1)
+    assert reads.demand(3) == 1
+    # The replay of 3 is still ahead of the fastest member: every member wants it.
+    planned_keys.add(3)
+    assert reads.demand(3) == 3
+    # A file the order does not hold is wanted by nobody in the group.
+    policy.accessed(50, False, 2)
+    assert reads.demand(50) == 0

@@ -339,8 +339,9 @@ class Cache:
     policies = POLICIES
 
     def _make_policy(self, name: str) -> Policy:
-        next_use = self.prefetcher.next_use if self.prefetcher is not None else None
-        return make_policy(name, self._score_of, next_use)
+        pf = self.prefetcher
+        next_use = pf.next_use if pf is not None else None
+        return make_policy(name, self._score_of, next_use, pf.planned if pf is not None else None)
 
     def set_policy(self, name: str) -> None:
         """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
@@ -371,10 +372,11 @@ class Cache:
     def name_job(self, pid: int, name: str, group: str) -> int:
         """Name `pid`'s job (a sampler's registration); returns its row."""
         row, merged = self.jobs.name(pid, name, group)
-        if merged is not None:
-            self.policy.job_ended(merged)
-            if self.ssd is not None:
-                self.ssd.policy.job_ended(merged)
+        for policy in (self.policy, self.ssd.policy if self.ssd is not None else None):
+            if policy is not None:
+                if merged is not None:
+                    policy.job_ended(merged)
+                policy.job_named(row, self.jobs.jobs[row].group)
         return row
 
     def job_epochs(self) -> dict[int, int]:

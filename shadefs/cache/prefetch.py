@@ -228,6 +228,13 @@ class Prefetcher:
                 del self._takes_left[key]
                 self._held_since.pop(key, None)
 
+    def planned(self, keys: np.ndarray) -> np.ndarray:
+        """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
+        mask = np.zeros(len(keys), dtype=bool)
+        for plan in self.plans.values():
+            mask |= np.isin(keys, plan.keys[plan.cursor :].astype(np.int64))
+        return mask
+
     def next_use(self, key: int) -> float:
         """Estimated monotonic time of `key`'s next read over all plans (inf if none).
 

@@ -63,6 +63,9 @@ class Policy(ABC):
         """The sampler announced epoch `epoch` for job `job` (None: every job); policies
         that infer epochs may use it."""
 
+    def job_named(self, job: int, group: str) -> None:  # noqa: B027 - optional hook
+        """Job `job` belongs to sweep group `group` ("" for none)."""
+
     def job_ended(self, job: int) -> None:  # noqa: B027 - optional hook
         """Job `job` is over (idle): it reads nothing more, and its row may be reused."""
 

@@ -21,6 +21,8 @@ like a new epoch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 # Arrays grow by doubling.
@@ -36,7 +38,9 @@ class JobReads:
     one per-key Python structure is the `slot_of` dict.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, planned: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """`planned(keys)`: which keys a known order (a group's plan) reads from here on."""
+        self.planned = planned
         self.slot_of: dict[int, int] = {}
         self._free: list[int] = []
         self._n = 0  # slots handed out so far (live or free)
@@ -44,19 +48,26 @@ class JobReads:
         self.live = np.zeros(64, dtype=bool)
         self.keys = np.zeros(64, dtype=np.int64)
         self.last = np.zeros((1, 64), dtype=np.int64)
+        self.count = np.zeros((1, 64), dtype=np.int32)  # reads in the epoch `last` names
         self.epoch = np.zeros(1, dtype=np.int64)
         self.explicit = np.zeros(1, dtype=bool)
+        self.group = np.zeros(1, dtype=np.int64)  # a sweep group's id, 0 for none
+        self._group_ids: dict[str, int] = {}
         self.active: dict[int, None] = {}  # rows of the jobs that read, in arrival order
 
     # --- jobs ---------------------------------------------------------------------------
 
     def _grow_rows(self, row: int) -> None:
         rows = max(row + 1, len(self.epoch) * _GROW)
-        last = np.zeros((rows, self.last.shape[1]), dtype=np.int64)
-        last[: len(self.epoch)] = self.last
-        self.last = last
-        self.epoch = np.concatenate([self.epoch, np.zeros(rows - len(self.epoch), np.int64)])
-        self.explicit = np.concatenate([self.explicit, np.zeros(rows - len(self.explicit), bool)])
+        old = len(self.epoch)
+        for name in ("last", "count"):
+            arr = getattr(self, name)
+            new = np.zeros((rows, arr.shape[1]), dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        for name in ("epoch", "explicit", "group"):
+            arr = getattr(self, name)
+            setattr(self, name, np.concatenate([arr, np.zeros(rows - old, arr.dtype)]))
 
     def join(self, row: int) -> None:
         """Job `row` starts: epoch 0, and it wants every resident entry."""
@@ -65,11 +76,22 @@ class JobReads:
         self.epoch[row] = 0
         self.explicit[row] = False
         self.last[row, : self._n] = -1
+        self.count[row, : self._n] = 0
         self.active[row] = None
 
     def leave(self, row: int) -> None:
         """Job `row` is over: it wants nothing any more (its row may be reused)."""
         self.active.pop(row, None)
+        if row < len(self.group):
+            self.group[row] = 0
+
+    def set_group(self, row: int, group: str) -> None:
+        """Job `row` belongs to sweep group `group` ("" for none): see `_wanted`."""
+        if row >= len(self.epoch):
+            self._grow_rows(row)
+        self.group[row] = (
+            self._group_ids.setdefault(group, len(self._group_ids) + 1) if group else 0
+        )
 
     # --- entries ------------------------------------------------------------------------
 
@@ -83,9 +105,11 @@ class JobReads:
         live = np.zeros(cap, dtype=bool)
         live[: len(self.live)] = self.live
         self.live = live
-        last = np.zeros((self.last.shape[0], cap), dtype=np.int64)
-        last[:, : self.last.shape[1]] = self.last
-        self.last = last
+        for name in ("last", "count"):
+            arr = getattr(self, name)
+            new = np.zeros((arr.shape[0], cap), dtype=arr.dtype)
+            new[:, : arr.shape[1]] = arr
+            setattr(self, name, new)
 
     def _slot(self, key: int) -> int:
         """The slot of `key`, made on first sight: wanted by every job."""
@@ -98,6 +122,7 @@ class JobReads:
             self.slot_of[key] = slot
             self.keys[slot] = key
             self.last[:, slot] = self.epoch - 1
+            self.count[:, slot] = 0
         return slot
 
     def add(self, key: int, size: int) -> None:
@@ -117,10 +142,16 @@ class JobReads:
         slot = self._slot(key)
         e = int(self.epoch[row])
         new = False
-        if infer and int(self.last[row, slot]) == e and not self.explicit[row]:
-            e += 1
-            self.epoch[row] = e
-            new = True
+        if int(self.last[row, slot]) == e:
+            if infer and not self.explicit[row]:
+                e += 1
+                self.epoch[row] = e
+                new = True
+                self.count[row, slot] = 1
+            else:
+                self.count[row, slot] += 1  # a replay within the epoch
+        else:
+            self.count[row, slot] = 1
         self.last[row, slot] = e
         return new
 
@@ -137,21 +168,52 @@ class JobReads:
         The rank orders by remaining demand (jobs that want the entry), then by how many
         jobs consumed it (they read it again next epoch); stale for everyone is lowest.
         """
-        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
         n = self._n
-        last = self.last[rows, :n]
-        e = self.epoch[rows][:, None]
-        wanted = (last == e - 1).sum(axis=0)
-        consumed = (last >= e).sum(axis=0)
-        jobs = len(rows)
-        return wanted * (jobs + 1) + consumed, self.live[:n], jobs
+        rank, jobs = self._ranks(np.arange(n))
+        return rank, self.live[:n], jobs
 
     def rank_of(self, key: int) -> int:
         """The rank of `key` now (a miss about to be admitted)."""
+        rank, _ = self._ranks(np.array([self._slot(key)]))
+        return int(rank[0])
+
+    def _ranks(self, cols: np.ndarray) -> tuple[np.ndarray, int]:
         rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
-        last = self.last[rows, self._slot(key)]
-        e = self.epoch[rows]
-        return int((last == e - 1).sum()) * (len(rows) + 1) + int((last >= e).sum())
+        last = self.last[np.ix_(rows, cols)]
+        e = self.epoch[rows][:, None]
+        wanted = self._wanted(rows, cols, last)
+        consumed = (last >= e).sum(axis=0)
+        jobs = len(rows)
+        return wanted * (jobs + 1) + consumed, jobs
+
+    def _wanted(self, rows: np.ndarray, cols: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """How many of the jobs `rows` still want each slot of `cols` this epoch.
+
+        A job of no group reads every file once per epoch: it wants what it has not read
+        in its current epoch (and read in its previous one, or never saw). The members of
+        a sweep group read one order, which need not hold every file and may hold some
+        several times (PADS replays): a member wants a file that another member read more
+        often in the member's current epoch than the member itself has, and every member
+        wants what the group's order reads ahead of its fastest member (`planned`).
+        """
+        e = self.epoch[rows][:, None]
+        wanted = last == e - 1
+        groups = self.group[rows]
+        if groups.any():
+            count = self.count[np.ix_(rows, cols)]
+            # What the group's order reads ahead of its fastest member, every member wants.
+            ahead = self.planned(self.keys[cols]) if self.planned is not None else None
+            for g in np.unique(groups[groups > 0]):
+                members = np.flatnonzero(groups == g)
+                for i in members:
+                    ei = self.epoch[rows[i]]
+                    # Each member's reads of each file in member i's epoch.
+                    reads = np.where(last[members] == ei, count[members], 0)
+                    wanted[i] = reads.max(axis=0) > reads[list(members).index(i)]
+                    if ahead is not None:
+                        wanted[i] |= ahead
+        result: np.ndarray = wanted.sum(axis=0)
+        return result
 
     def victims(self, need: int, below: int | None) -> list[int] | None:
         """Keys to evict, lowest rank first, that free `need` bytes; only ranks < `below`
@@ -171,9 +233,10 @@ class JobReads:
         return [int(x) for x in self.keys[cand[: k + 1]]]
 
     def demand(self, key: int) -> int:
-        """How many active jobs still want resident `key` this epoch (0 if not resident)."""
+        """How many active jobs still want `key` this epoch (0 if never seen)."""
         slot = self.slot_of.get(key)
         if slot is None:
             return 0
-        rows = list(self.active)
-        return int((self.last[rows, slot] == self.epoch[rows] - 1).sum())
+        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
+        cols = np.array([slot])
+        return int(self._wanted(rows, cols, self.last[np.ix_(rows, cols)])[0])

@@ -11,8 +11,10 @@ evicts by remaining demand instead: see `EpochPolicy` and demand.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+
+import numpy as np
 
 from shadefs.cache.policies.base import Policy, take_prefix
 from shadefs.cache.policies.demand import JobReads
@@ -50,14 +52,15 @@ class EpochPolicy(Policy):
 
     name = "epoch"
 
-    def __init__(self) -> None:
+    def __init__(self, planned: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """`planned(keys)`: which keys a known order reads from here on (sweep groups)."""
         super().__init__()
         self.epoch = 0
         self._explicit = False
         self._last: dict[int, int] = {}
         # Insertion-ordered buckets of keys by the epoch of their last read.
         self._buckets: dict[int, dict[int, None]] = {}
-        self.reads = JobReads()
+        self.reads = JobReads(planned)
 
     @property
     def shared(self) -> bool:
@@ -140,6 +143,9 @@ class EpochPolicy(Policy):
             self._explicit = True
             if epoch > self.epoch:
                 self.epoch = epoch
+
+    def job_named(self, job: int, group: str) -> None:
+        self.reads.set_group(job, group)
 
     def job_ended(self, job: int) -> None:
         reads = self.reads
