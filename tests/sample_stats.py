@@ -128,7 +128,7 @@ def minimal() -> Stats:
     s = full(prefetch=None)
     sampler = SamplerStats(0, 0, 1.0, "auto", 0, 0, 0, {}, None)
     policy = PolicyState(name="lru", entries=3)
-    return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler)
+    return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler, jobs=())
 
 
 def with_counters(s: Stats, **changes: int) -> Stats:
