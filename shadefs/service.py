@@ -221,7 +221,7 @@ class Service:
 
     def _job_row(self, pid: int) -> int | None:
         # The job of a control request's writer; None (every job) when it is unknown.
-        return self.cache.jobs.row_of(pid, time.monotonic()) if pid > 0 else None
+        return self.cache.jobs.row_of(pid) if pid > 0 else None
 
     def name_job(self, pid: int, name: str, group: str) -> None:
         self.cache.name_job(pid, name, group)

@@ -226,7 +226,7 @@ def test_jobs_started_by_one_script_stay_apart(tmp_path: Path) -> None:
         assert os.getsid(pids[0]) == os.getsid(pids[1])
         assert [job_root(p, ProcInfo()) for p in pids] == pids
         table = JobTable()
-        rows = {table.row_of(p, time.monotonic()) for p in pids}
+        rows = {table.row_of(p) for p in pids}
         assert len(rows) == 2
     finally:
         os.killpg(proc.pid, 9)
@@ -268,8 +268,8 @@ def test_threads_belong_to_their_process() -> None:
 def test_the_pid_cache_and_job_expiry() -> None:
     table = JobTable(idle=0.5)
     now = time.monotonic()
-    row = table.row_of(os.getpid(), now)
-    assert table.row_of(os.getpid(), now + 1) == row  # cached
+    row = table.row_of(os.getpid())
+    assert table.row_of(os.getpid()) == row  # cached
     table.jobs[row].last_seen = now
     assert [j.id for j in table.describe({row: 3})] == [f"pid:{job_root(os.getpid(), ProcInfo())}"]
     assert table.describe({row: 3})[0].epoch == 3
@@ -277,24 +277,27 @@ def test_the_pid_cache_and_job_expiry() -> None:
     assert table.expire(now + 0.6) == [row]
     assert table.describe({}) == []
     # A reader seen again after its job expired starts a new job.
-    assert table.row_of(os.getpid(), now + 0.7) == row and len(table.jobs) == 1
+    assert table.row_of(os.getpid()) == row and len(table.jobs) == 1
+    # Reads since the last sweep keep a job alive.
+    table.jobs[row].hits += 1
+    assert table.expire(now + 10) == [] and table.jobs[row].last_seen == now + 10
+    assert table.expire(now + 10.6) == [row]
 
 
 def test_a_named_job_takes_over_its_processes() -> None:
     table = JobTable()
-    now = time.monotonic()
-    row = table.row_of(os.getpid(), now)
+    row = table.row_of(os.getpid())
     assert table.name(os.getpid(), "trial-3", group="sweep") == (row, None)  # renamed in place
-    assert table.row_of(os.getpid(), now) == row
+    assert table.row_of(os.getpid()) == row
     (job,) = table.describe({})
     assert (job.id, job.group) == ("trial-3", "sweep")
     # A second process naming itself alike joins that job (its own row ends).
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        mine = table.row_of(other.pid, now)
+        mine = table.row_of(other.pid)
         assert mine != row
         assert table.name(other.pid, "trial-3") == (row, mine)
-        assert table.row_of(other.pid, now) == row and len(table.jobs) == 1
+        assert table.row_of(other.pid) == row and len(table.jobs) == 1
     finally:
         other.kill()
         other.wait()

@@ -12,7 +12,8 @@ The cache owns its SSD tier (ssd_tier.py) and its prefetcher (prefetch.py): it b
 both, and hands the prefetcher the two callables it needs (`fetch_ahead`, `tier_of`), so
 that prefetch.py does not import this module. It also builds the policies of both tiers by
 name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
-`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher.
+`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher, and
+the sweep that ends idle jobs.
 
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
 the code between two awaits is a critical section. The awaits of the data path are the SSD
@@ -141,6 +142,12 @@ class Cache:
             self.ssd.start(nursery)
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
+        nursery.start_soon(self._sweep_jobs)
+
+    async def _sweep_jobs(self) -> None:
+        while True:
+            await trio.sleep(self.jobs.period)
+            self.expire_jobs(time.monotonic())
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""
@@ -166,11 +173,7 @@ class Cache:
         is the reading thread (its job is looked up in `jobs`)."""
         sig = Signature.of(st)
         jobs = self.jobs
-        now = time.monotonic()
-        if now >= jobs.next_sweep:
-            self.expire_jobs(now)
-        reader = jobs.job_of(pid, now)
-        reader.last_seen = now
+        reader = jobs.pids.get(pid) or jobs.job_of(pid)
         job = reader.row
         ssd = self.ssd
         prefetcher = self.prefetcher

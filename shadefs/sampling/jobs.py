@@ -16,8 +16,11 @@ Each job gets a dense *row* (a small int, reused after the job ends) that the ca
 to its policy with every access, so that the policy keeps per-job state in numpy rows.
 A job with no reads for `idle` seconds is over: `expire` drops it and returns its rows.
 
-The pid -> row mapping is cached, so the hit path reads /proc only for a pid it has not
-seen, and re-checks a cached pid's start time (pid reuse) at most every `_RECHECK` seconds.
+The pid -> job mapping is cached, so the hit path reads /proc only for a pid it has not
+seen, and reads no clock: the reads are counted in the job, and a periodic `expire` (the
+cache runs it a few times per idle period) turns a changed count into a `last_seen`, ends
+the idle jobs, and re-checks each cached pid's start time, so that a reused pid (or one
+that exited) is resolved afresh.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ from shadefs.stats import JobStats
 
 log = logging.getLogger(__name__)
 
-# Seconds between two checks that a cached pid is still the process it was (pid reuse).
-_RECHECK = 5.0
 # How many ancestors a walk visits at most (a loop in /proc would be a kernel bug; be safe).
 _MAX_DEPTH = 64
 DEFAULT_IDLE = 120.0
@@ -48,7 +49,8 @@ class Job:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
-    last_seen: float = 0.0  # time.monotonic() of its last read
+    last_seen: float = 0.0  # time.monotonic() of its last read (to the sweep period)
+    swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
 
 
@@ -137,11 +139,10 @@ class JobTable:
         self.proc = proc or ProcInfo()
         self.jobs: dict[int, Job] = {}  # row -> job
         self._by_id: dict[str, int] = {}
-        # pid -> (its job, its start time, when that was last checked)
-        self._pids: dict[int, tuple[Job, int | None, float]] = {}
+        self.pids: dict[int, Job] = {}  # the hit path's cache: reader pid -> its job
+        self._starts: dict[int, int | None] = {}  # those pids' start times
         self._next_row = 0
         self._free: list[int] = []
-        self.next_sweep = 0.0  # time.monotonic() when expiry is next checked
         self.expired = 0
 
     def _row_for(self, job_id: str, group: str = "") -> int:
@@ -157,34 +158,33 @@ class JobTable:
             self.jobs[row].group = group
         return row
 
-    def job_of(self, pid: int, now: float) -> Job:
+    @property
+    def period(self) -> float:
+        """Seconds between expiry sweeps: a job ends at most a quarter period late."""
+        return min(self.idle / 4, 10.0)
+
+    def job_of(self, pid: int) -> Job:
         """The job that reader `pid` belongs to (cached; /proc only when unseen). The
         caller counts the read in the job's fields (the hit path: no further call)."""
-        cached = self._pids.get(pid)
-        if cached is not None and now - cached[2] < _RECHECK:
-            return cached[0]
-        return self._resolve(pid, now)
-
-    def _resolve(self, pid: int, now: float) -> Job:
+        job = self.pids.get(pid)
+        if job is not None:
+            return job
         start = self.proc.start_time(pid)
-        cached = self._pids.pop(pid, None)
-        if cached is not None and cached[1] == start and cached[0].row in self.jobs:
-            job = cached[0]  # the same process: only the check was due
-        else:
-            job = self.jobs[self._row_for(f"pid:{job_root(pid, self.proc)}" if pid else "pid:0")]
-            job.pids.add(pid)
-        self._pids[pid] = (job, start, now)
+        job = self.jobs[self._row_for(f"pid:{job_root(pid, self.proc)}" if pid else "pid:0")]
+        job.pids.add(pid)
+        self.pids[pid] = job
+        self._starts[pid] = start
         return job
 
-    def row_of(self, pid: int, now: float) -> int:
+    def row_of(self, pid: int) -> int:
         """The row of the job that reader `pid` belongs to."""
-        return self.job_of(pid, now).row
+        return self.job_of(pid).row
 
     def name(self, pid: int, name: str, group: str = "") -> tuple[int, int | None]:
         """`pid`'s job is called `name` from now on, in sweep group `group` (a sampler's
         registration). Returns (its row, the row of a job merged into an existing job of
         that name, or None): the caller ends the merged row in the policies."""
-        job = self.job_of(pid, time.monotonic())
+        job = self.job_of(pid)
         other = self._by_id.get(name)
         if other is None or other == job.row:
             del self._by_id[job.id]
@@ -196,9 +196,7 @@ class JobTable:
         if group:
             named.group = group
         for p in job.pids:
-            cached = self._pids.get(p)
-            if cached is not None:
-                self._pids[p] = (named, cached[1], cached[2])
+            self.pids[p] = named
         named.pids |= job.pids
         job.pids.clear()
         self._drop(job.row)
@@ -210,21 +208,31 @@ class JobTable:
 
     def group_of(self, pid: int) -> str:
         """The sweep group of `pid`'s job ("" for none)."""
-        return self.job_of(pid, time.monotonic()).group
+        return self.job_of(pid).group
 
     def _drop(self, row: int) -> None:
         job = self.jobs.pop(row)
         del self._by_id[job.id]
         for p in job.pids:
-            cached = self._pids.get(p)
-            if cached is not None and cached[0] is job:
-                del self._pids[p]
+            if self.pids.get(p) is job:
+                del self.pids[p]
+                self._starts.pop(p, None)
         self._free.append(row)
 
     def expire(self, now: float) -> list[int]:
-        """Drop the jobs idle for `idle` seconds; returns their rows (now free for reuse)."""
-        # A few checks per idle period: a job ends at most a quarter period late.
-        self.next_sweep = now + min(self.idle / 4, 10.0)
+        """The sweep: note which jobs read since the last one, drop the jobs idle for `idle`
+        seconds (returns their rows, now free for reuse), forget pids that exited or were
+        reused."""
+        for job in self.jobs.values():
+            opens = job.hits + job.misses
+            if opens != job.swept_opens:
+                job.swept_opens = opens
+                job.last_seen = now
+        for pid, start in list(self._starts.items()):
+            if self.proc.start_time(pid) != start:
+                del self._starts[pid]
+                job = self.pids.pop(pid)
+                job.pids.discard(pid)
         gone = [row for row, job in self.jobs.items() if now - job.last_seen >= self.idle]
         for row in gone:
             log.debug("job %s is over (idle)", self.jobs[row].id)

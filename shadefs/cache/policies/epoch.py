@@ -61,6 +61,7 @@ class EpochPolicy(Policy):
         # Insertion-ordered buckets of keys by the epoch of their last read.
         self._buckets: dict[int, dict[int, None]] = {}
         self.reads = JobReads(planned)
+        self._solo = -1  # the row of the one active job, -1 unless exactly one is active
 
     @property
     def shared(self) -> bool:
@@ -99,6 +100,19 @@ class EpochPolicy(Policy):
         self.reads.remove(key)
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
+        if job != self._solo or not hit:
+            self._accessed(key, hit, job)
+            return
+        # A hit of the one active job: the single-job rules, and nothing else (hit path).
+        last = self._last.get(key)
+        if last is None:
+            return
+        if last == self.epoch and not self._explicit:
+            self.epoch += 1
+            log.debug("inferred the start of epoch %d", self.epoch)
+        self._place(key, self.epoch)
+
+    def _accessed(self, key: int, hit: bool, job: int) -> None:
         reads = self.reads
         if job not in reads.active:
             if len(reads.active) == 1:
@@ -110,6 +124,7 @@ class EpochPolicy(Policy):
             if len(reads.active) == 1:
                 # The first job of an empty policy (or the next after one ended alone).
                 self._sync_row(job)
+            self._solo = job if len(reads.active) == 1 else -1
         if len(reads.active) > 1:
             if reads.read(key, job):
                 log.debug("job %d: inferred the start of its epoch %d", job, reads.epoch[job])
@@ -151,6 +166,7 @@ class EpochPolicy(Policy):
         reads = self.reads
         was_shared = self.shared
         reads.leave(job)
+        self._solo = next(iter(reads.active)) if len(reads.active) == 1 else -1
         if was_shared and len(reads.active) == 1:
             # Back to one job: its row becomes the single-job state (resident keys only).
             (row,) = reads.active
