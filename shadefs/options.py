@@ -183,6 +183,12 @@ PREFETCH_ABANDON = Option(
     meaning="a prefetch plan whose reader makes no progress for S seconds ends, and what it "
     "staged is dropped",
 )
+JOB_IDLE = Option(
+    name="job_idle", default=120.0, parse=parse_float, metavar="S",
+    help="seconds without reads after which a job is over", shown="120",
+    meaning="a job (the processes of one training run, or a named sampler) that reads "
+    "nothing for S seconds is over: it leaves the stats and stops counting as demand",
+)
 METRICS = Option[str | None](
     name="metrics", default=None, parse=metrics_address, metavar="[HOST:]PORT",
     help="serve Prometheus metrics (loopback by default)", shown="off",
@@ -218,7 +224,7 @@ SYSTEMD = Option(
 
 OPTIONS: tuple[Option[Any], ...] = (
     RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, HANDLE_LIMIT, SOURCE_TIMEOUT, SOURCE_THREADS,
-    REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, METRICS,
+    REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
 # fmt: on
@@ -251,6 +257,7 @@ class MountOptions:
     prefetch_window: int | None = PREFETCH_WINDOW.default
     prefetch_workers: int = PREFETCH_WORKERS.default
     prefetch_abandon: float = PREFETCH_ABANDON.default
+    job_idle: float = JOB_IDLE.default
     extra_fuse: list[str] = field(default_factory=list)
 
 

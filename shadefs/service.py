@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -34,10 +35,11 @@ from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
+from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.source import Source
-from shadefs.stats import Metrics, Stats, snapshot
+from shadefs.stats import JobStats, Metrics, Stats, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class Service:
         self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
         self.metrics = Metrics()
         self.sampling = Sampling()
+        self._plan_epochs: dict[str, int] = {}  # a sweep group's plan name -> its epoch
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
         if opts.prefetch:
@@ -81,6 +84,7 @@ class Service:
             ssd=ssd,
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
+            jobs=JobTable(opts.job_idle),
         )
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
@@ -126,7 +130,14 @@ class Service:
             cache=self.cache,
             sampling=self.sampling,
             prefetcher=self.prefetcher,
+            jobs=self.jobs(),
         )
+
+    def jobs(self) -> tuple[JobStats, ...]:
+        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy."""
+        table = self.cache.jobs
+        self.cache.expire_jobs(time.monotonic())
+        return tuple(table.describe(self.cache.job_epochs()))
 
     # --- ControlService: what can be asked for -------------------------------------------
 
@@ -204,17 +215,28 @@ class Service:
             return 0
         return sum(self.prefetcher.drop_plan(name) for name in names)
 
-    def begin_epoch(self, epoch: int) -> None:
+    def begin_epoch(self, epoch: int, pid: int = 0) -> None:
         self.sampling.begin_epoch(epoch)
-        self.cache.begin_epoch(epoch)
+        self.cache.begin_epoch(epoch, self._job_row(pid))
+
+    def _job_row(self, pid: int) -> int | None:
+        # The job of a control request's writer; None (every job) when it is unknown.
+        return self.cache.jobs.row_of(pid) if pid > 0 else None
+
+    def name_job(self, pid: int, name: str, group: str) -> None:
+        self.cache.name_job(pid, name, group)
 
     def report(
-        self, epoch: int | None, train_loss: float | None, val_accuracy: float | None
+        self,
+        epoch: int | None,
+        train_loss: float | None,
+        val_accuracy: float | None,
+        pid: int = 0,
     ) -> str:
         with _refusing():
             result = self.sampling.report(epoch, train_loss, val_accuracy)
         if epoch is not None:
-            self.cache.begin_epoch(epoch)
+            self.cache.begin_epoch(epoch, self._job_row(pid))
         return result
 
     def set_replay(self, value: float | None) -> None:
@@ -241,16 +263,28 @@ class Service:
         with _refusing():
             return self.sampling.ingest(message)
 
-    def order(self, request: OrderRequest) -> np.ndarray:
+    def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
+        group = self.cache.jobs.group_of(pid) if pid > 0 else ""
         with _refusing():
-            share = self.sampling.order(request, self._resident)
-        self.cache.begin_epoch(request.epoch)
+            share = self.sampling.order(request, self._resident, group)
+        self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
-            # The daemon now knows what this rank reads next: prefetch its misses.
+            # The daemon now knows what this rank reads next: prefetch its misses. The
+            # members of a sweep group share one plan, that of the member furthest ahead:
+            # a member that asks for an earlier epoch's order leaves it in place.
             s = self.sampling
-            name = f"order:seed={request.seed}:world={request.world_size}:rank={request.rank}"
+            seed = f"group={group}" if group else f"seed={request.seed}"
+            name = f"order:{seed}:world={request.world_size}:rank={request.rank}"
+            members = self.cache.jobs.members(group) if group else 1
+            plan = self.prefetcher.plans.get(name)
+            if group and plan is not None and self._plan_epochs.get(name, -1) >= request.epoch:
+                plan.readers = members
+                return share
+            self._plan_epochs[name] = request.epoch
             paths = [os.fsencode(s.paths[i]) for i in share.tolist()]
-            self.prefetcher.add_plan(Plan(name, s.keys[share], paths, s.sizes[share]))
+            plan = Plan(name, s.keys[share], paths, s.sizes[share])
+            plan.readers = members
+            self.prefetcher.add_plan(plan)
         return share
 
     def _resident(self, keys: np.ndarray) -> np.ndarray:

@@ -253,6 +253,20 @@ class SamplerStats:
         return _load(cls, d, last_report=dict(d["last_report"]), table=table)
 
 
+@dataclass(frozen=True, slots=True)
+class JobStats:
+    """One active job (a training run, or a named sampler). JSON: an item of `jobs`."""
+
+    id: str  # "pid:<n>" (the job's topmost process) or the name its sampler gave
+    group: str  # its sweep group ("" for none)
+    epoch: int  # its own epoch (inferred from its reads, or announced)
+    hits: int
+    misses: int
+    bytes_served: int  # bytes of the files it opened
+    idle_seconds: float  # since its last read
+    last_seen: float  # Unix time of its last read
+
+
 # --- the whole --------------------------------------------------------------------------
 
 
@@ -270,6 +284,7 @@ class Stats:
     cache: CacheStats
     sampler: SamplerStats
     prefetch: PrefetchStats | None = None
+    jobs: tuple[JobStats, ...] = ()
 
     @property
     def opens(self) -> int:
@@ -314,6 +329,7 @@ class Stats:
             "source_timeouts": src.timeouts,
             "source_errors": src.errors,
             "sampler": self.sampler.to_json(),
+            "jobs": [_dump(job) for job in self.jobs],
         }
         if cache.ssd is not None:
             ssd = cache.ssd
@@ -362,6 +378,7 @@ class Stats:
             cache=cache,
             sampler=SamplerStats.from_json(d["sampler"]),
             prefetch=PrefetchStats.from_json(d["prefetch"]) if "prefetch" in d else None,
+            jobs=tuple(_load(JobStats, j) for j in d.get("jobs", ())),
         )
 
 
@@ -405,6 +422,7 @@ def snapshot(
     cache: Part[CacheStats],
     sampling: Part[SamplerStats],
     prefetcher: Part[PrefetchStats] | None = None,
+    jobs: tuple[JobStats, ...] = (),
 ) -> Stats:
     """The stats of the daemon now, from each part's `describe()`."""
     return Stats(
@@ -418,4 +436,5 @@ def snapshot(
         cache=cache.describe(),
         sampler=sampling.describe(),
         prefetch=prefetcher.describe() if prefetcher is not None else None,
+        jobs=jobs,
     )

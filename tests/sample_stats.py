@@ -12,6 +12,7 @@ from shadefs.stats import (
     CacheStats,
     Counters,
     HandleStats,
+    JobStats,
     NamespaceStats,
     PolicyState,
     PrefetchStats,
@@ -117,6 +118,7 @@ def full(**top: Any) -> Stats:
             plans_done=3,
             plans_abandoned=1,
         ),
+        jobs=(JobStats("pid:4242", "sweep", 3, 12, 4, 160000, 1.5, 1.7e9),),
     )
     return replace(s, **top)
 
@@ -126,7 +128,7 @@ def minimal() -> Stats:
     s = full(prefetch=None)
     sampler = SamplerStats(0, 0, 1.0, "auto", 0, 0, 0, {}, None)
     policy = PolicyState(name="lru", entries=3)
-    return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler)
+    return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler, jobs=())
 
 
 def with_counters(s: Stats, **changes: int) -> Stats:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 
 from shadefs.cache.policies import BeladyPolicy
 from shadefs.cache.prefetch import Plan, Prefetcher
@@ -295,3 +296,33 @@ def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() 
         assert not plan.done or i == len(reads) - 1, f"done after {i + 1} of {n} reads"
         assert i + 1 - plan.cursor <= 4 * 64  # never further behind than the batches in flight
     assert plan.done
+
+
+def test_a_groups_staged_file_waits_for_every_member() -> None:
+    from shadefs.cache.ssd_format import Signature
+
+    sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
+
+    async def fetch(key: int, path: bytes, size: int | None = None):
+        return b"abc", sig
+
+    async def run() -> None:
+        pf = Prefetcher(fetch, _not_cached, window=10_000)
+        plan = _plan("group", [1, 2])
+        plan.readers = 3  # three members read this plan, each at its own pace
+        pf.add_plan(plan)
+        pf._inflight[1] = 3  # as the scheduler does before it starts a fetch
+        await pf._fetch(1, b"p1", 3)
+        for _ in range(3):
+            pf.observe(1)  # a member opens it: served from staging
+            assert pf.take(1, sig) == b"abc"
+        pf.observe(1)
+        assert pf.take(1, sig) is None and pf.staged_bytes == 0  # all three had it
+        # A file of a plan with one reader is handed over at its first open.
+        plan.readers = 1
+        pf._inflight[2] = 3
+        await pf._fetch(2, b"p2", 3)
+        pf.observe(2)
+        assert pf.take(2, sig) == b"abc" and pf.take(2, sig) is None
+
+    trio.run(run)

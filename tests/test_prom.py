@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import urllib.request
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shadefs.ops import prom
-from shadefs.stats import Stats
+from shadefs.stats import JobStats, Stats
 from tests.conftest import make_tree
 from tests.sample_stats import full, minimal, numeric_leaves, schema_type, with_counters
 
@@ -107,7 +108,7 @@ def test_every_exported_path_is_in_the_schema_and_every_number_is_exported() -> 
 
 def test_the_schema_check_catches_an_invented_field() -> None:
     with pytest.raises(KeyError):
-        schema_type("jobs")
+        schema_type("jobs_running")
     with pytest.raises(KeyError):
         schema_type("cache.ssd.source_latency")
     assert schema_type("cache.ssd.restore.done") is bool
@@ -186,3 +187,20 @@ def test_render_of_a_real_mounts_stats(tmp_path: Path, mounter) -> None:
     served = samples((m.mnt / ".shadefs" / "metrics").read_bytes())
     assert served[("shadefs_misses_total", ())] == 2
     assert served[("shadefs_up", ())] == 1
+
+
+def test_jobs_become_families_with_a_job_label() -> None:
+    s = samples(prom.render(full()))
+    job = (("group", "sweep"), ("job", "pid:4242"))
+    assert s[("shadefs_job_hits_total", job)] == 12
+    assert s[("shadefs_job_misses_total", job)] == 4
+    assert s[("shadefs_job_epoch", job)] == 3
+    assert s[("shadefs_job_bytes_served_total", job)] == 160000
+    # An expired job is gone from the stats, and so from the metrics.
+    names = {labels for name, labels in samples(prom.render(full(jobs=()))) if "job" in name}
+    assert names == set()
+
+
+def test_every_numeric_job_field_is_exported() -> None:
+    numeric = [f.name for f in dataclasses.fields(JobStats) if f.type in ("int", "float")]
+    assert sorted(numeric) == sorted(prom.JOB_METRICS)

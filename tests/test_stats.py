@@ -20,7 +20,7 @@ TOP = {
     "ram_max_entry", "files_cached", "tiers", "admitted", "evictions", "refused",
     "passthrough_opens", "fetches_shared", "blocked_seconds", "handles", "revalidations",
     "changed_files", "inodes_known", "directories_listed", "source_healthy", "source_timeouts",
-    "source_errors", "control_errors", "sampler",
+    "source_errors", "control_errors", "sampler", "jobs",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
 RAM = {"bytes", "capacity", "entries", "hits"}
@@ -89,6 +89,8 @@ def test_the_text_form() -> None:
     assert "ssd           8.8 KiB of 87.9 KiB in 8 files, 10 hits, 2 corrupt entries" in text
     assert "source        NOT ANSWERING  timeouts 3  errors 1" in text
     assert "ssd " not in render_text(minimal())
+    assert "job           pid:4242 (group sweep): epoch 3, 12 hits, 4 misses" in text
+    assert "job " not in render_text(minimal())
 
 
 async def test_a_built_daemon_describes_every_part(tmp_path: Path) -> None:

@@ -75,6 +75,15 @@ def test_the_view_shows_every_section_the_mount_has() -> None:
     assert "restore   in progress, 500 entries" in t
     assert "prefetch  plans 1  staged 5 (500 B)  inflight 2  fetched 40 (0 B/s)" in t
     assert "sampler   100 samples  epoch 3  replay 2.5 (auto)" in t
+    assert re.search(r"pid:4242\s+sweep\s+3\s+0\.0\s+0\.750\s+156\.2 KiB\s+2 s", t)
+
+
+def test_the_view_shows_each_jobs_rate() -> None:
+    prev = full()
+    (job,) = prev.jobs
+    cur = replace(prev, jobs=(replace(job, hits=job.hits + 20),))
+    assert re.search(r"pid:4242\s+sweep\s+3\s+10\.0\s+0\.889", text(prev, cur, 2.0))
+    assert "pid:4242" not in text(prev, replace(cur, jobs=()), 2.0)  # an expired job
 
 
 def test_a_section_new_since_the_last_frame_has_no_rate_yet() -> None:

@@ -12,7 +12,8 @@ The cache owns its SSD tier (ssd_tier.py) and its prefetcher (prefetch.py): it b
 both, and hands the prefetcher the two callables it needs (`fetch_ahead`, `tier_of`), so
 that prefetch.py does not import this module. It also builds the policies of both tiers by
 name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
-`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher.
+`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher, and
+the sweep that ends idle jobs.
 
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
 the code between two awaits is a critical section. The awaits of the data path are the SSD
@@ -38,6 +39,7 @@ from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
+from shadefs.sampling.jobs import JobTable
 from shadefs.source import Source
 from shadefs.stats import CacheStats, HandleStats, Metrics, RamStats
 
@@ -92,12 +94,14 @@ class Cache:
         key_of_ino: Callable[[int], int] | None = None,
         prefetch: PrefetchSettings | None = None,
         handle_limit: int | None = None,
+        jobs: JobTable | None = None,
     ) -> None:
         """`policy` names the policy of every tier (ValueError if unknown); `score_of` gives
         a key's importance to the `shade` policy. `ssd` is the store of an SSD tier, whose
         restored entries get their keys from `key_of_ino`; `prefetch` None turns
         prefetching off. `handle_limit` bounds the bytes open handles keep alive outside the
-        RAM tier (None: the RAM budget)."""
+        RAM tier (None: the RAM budget). `jobs` attributes every open to the reader's job
+        (None: a table of its own), so that the policies can tell jobs apart."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -124,6 +128,7 @@ class Cache:
                 max_workers=prefetch.max_workers,
                 abandon_after=prefetch.abandon_after,
             )
+        self.jobs = jobs if jobs is not None else JobTable()
         self.policy = self._make_policy(policy)
         self.ssd: SsdTier | None = None
         if ssd is not None:
@@ -137,6 +142,12 @@ class Cache:
             self.ssd.start(nursery)
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
+        nursery.start_soon(self._sweep_jobs)
+
+    async def _sweep_jobs(self) -> None:
+        while True:
+            await trio.sleep(self.jobs.period)
+            self.expire_jobs(time.monotonic())
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""
@@ -157,9 +168,13 @@ class Cache:
 
     # --- the data path ----------------------------------------------------------------
 
-    async def open(self, key: int, path: bytes, st: os.stat_result) -> bytes | None:
-        """The file's bytes for a new handle, or None when it must be read through."""
+    async def open(self, key: int, path: bytes, st: os.stat_result, pid: int = 0) -> bytes | None:
+        """The file's bytes for a new handle, or None when it must be read through; `pid`
+        is the reading thread (its job is looked up in `jobs`)."""
         sig = Signature.of(st)
+        jobs = self.jobs
+        reader = jobs.pids.get(pid) or jobs.job_of(pid)
+        job = reader.row
         ssd = self.ssd
         prefetcher = self.prefetcher
         if prefetcher is not None and prefetcher.plans:
@@ -169,21 +184,27 @@ class Cache:
             if entry.sig == sig:
                 self.metrics.hits += 1
                 self.ram_hits += 1
-                self.policy.accessed(key, True)
+                self.policy.accessed(key, True, job)
                 if ssd is not None:
-                    ssd.policy.accessed(key, key in ssd.index)
+                    ssd.policy.accessed(key, key in ssd.index, job)
+                reader.hits += 1
+                reader.bytes += st.st_size
                 return entry.data
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
-        self.policy.accessed(key, False)
+        self.policy.accessed(key, False, job)
         if ssd is not None and st.st_size <= ssd.max_entry:
-            data = await ssd.lookup(key, path, sig)
+            data = await ssd.lookup(key, path, sig, job)
             if data is not None:
                 self.metrics.hits += 1
+                reader.hits += 1
+                reader.bytes += st.st_size
                 self._admit(key, data, sig)
                 return data
-            ssd.missed(key)
+            ssd.missed(key, job)
         self.metrics.misses += 1
+        reader.misses += 1
+        reader.bytes += st.st_size
         if prefetcher is not None:
             data = prefetcher.take(key, sig)
             if data is not None:
@@ -321,8 +342,9 @@ class Cache:
     policies = POLICIES
 
     def _make_policy(self, name: str) -> Policy:
-        next_use = self.prefetcher.next_use if self.prefetcher is not None else None
-        return make_policy(name, self._score_of, next_use)
+        pf = self.prefetcher
+        next_use = pf.next_use if pf is not None else None
+        return make_policy(name, self._score_of, next_use, pf.planned if pf is not None else None)
 
     def set_policy(self, name: str) -> None:
         """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
@@ -337,10 +359,32 @@ class Cache:
                 ssd_policy.inserted(key, disk)
             self.ssd.policy = ssd_policy
 
-    def begin_epoch(self, epoch: int) -> None:
-        self.policy.begin_epoch(epoch)
+    def begin_epoch(self, epoch: int, job: int | None = None) -> None:
+        """Epoch `epoch` begins for job `job` (None: for every job)."""
+        self.policy.begin_epoch(epoch, job)
         if self.ssd is not None:
-            self.ssd.policy.begin_epoch(epoch)
+            self.ssd.policy.begin_epoch(epoch, job)
+
+    def expire_jobs(self, now: float) -> None:
+        """End the jobs idle for longer than the table's idle time, in every policy."""
+        for row in self.jobs.expire(now):
+            self.policy.job_ended(row)
+            if self.ssd is not None:
+                self.ssd.policy.job_ended(row)
+
+    def name_job(self, pid: int, name: str, group: str) -> int:
+        """Name `pid`'s job (a sampler's registration); returns its row."""
+        row, merged = self.jobs.name(pid, name, group)
+        for policy in (self.policy, self.ssd.policy if self.ssd is not None else None):
+            if policy is not None:
+                if merged is not None:
+                    policy.job_ended(merged)
+                policy.job_named(row, self.jobs.jobs[row].group)
+        return row
+
+    def job_epochs(self) -> dict[int, int]:
+        """The RAM policy's epoch of each job row it tracks."""
+        return self.policy.job_epochs()
 
     def drop(self) -> int:
         """Forget every file cached in RAM (the SSD tier is kept); returns how many."""

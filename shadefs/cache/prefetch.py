@@ -22,6 +22,14 @@ Scheduling (Lobster):
   target is bounded by `max_workers`. So the prefetcher neither starves the readers nor
   floods the source with more requests than the readers can use.
 
+A sweep group's plan has several readers (`Plan.readers`, its members, which read one
+order each at their own pace; the cursor follows the fastest). A file staged for it stays
+staged until that many opens of it (from any tier) have been seen, so that the members
+behind the fastest find it even when the RAM policy did not keep it; it counts against the
+window, which bounds how far the members may drift apart before the slowest misses again,
+and it outlives the plan's end (the fastest member's next epoch) by at most `abandon_after`
+seconds.
+
 A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
 or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
 then dropped and counted as wasted. `start` runs the scheduler in the nursery it is handed
@@ -83,6 +91,7 @@ class Plan:
         self.keys = keys.astype(np.uint64, copy=False)
         self.paths = paths
         self.sizes = sizes.astype(np.int64, copy=False)
+        self.readers = 1  # the jobs that read this plan (a sweep group's members)
         self.cursor = 0  # the reader's next position
         self.frontier = 0  # the prefetcher's next position to consider
         order = np.argsort(self.keys, kind="stable")
@@ -172,6 +181,8 @@ class Prefetcher:
         self.plans: dict[str, Plan] = {}
         self.staged: dict[int, tuple[bytes, Signature]] = {}
         self.staged_bytes = 0
+        self._takes_left: dict[int, int] = {}  # staged key -> opens that will still take it
+        self._held_since: dict[int, float] = {}  # those keys -> when they were staged
         self._inflight: dict[int, int] = {}  # key -> size
         self._inflight_bytes = 0
         self._wake = trio.Event()
@@ -208,6 +219,21 @@ class Prefetcher:
         for plan in self.plans.values():
             if plan.observe(key, now):
                 self._wake.set()
+        left = self._takes_left.get(key)
+        if left is not None:
+            # One more of a group's opens: the last one takes it out of staging.
+            if left > 1:
+                self._takes_left[key] = left - 1
+            else:
+                del self._takes_left[key]
+                self._held_since.pop(key, None)
+
+    def planned(self, keys: np.ndarray) -> np.ndarray:
+        """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
+        mask = np.zeros(len(keys), dtype=bool)
+        for plan in self.plans.values():
+            mask |= np.isin(keys, plan.keys[plan.cursor :].astype(np.int64))
+        return mask
 
     def next_use(self, key: int) -> float:
         """Estimated monotonic time of `key`'s next read over all plans (inf if none).
@@ -226,17 +252,27 @@ class Prefetcher:
 
     def take(self, key: int, sig: Signature) -> bytes | None:
         """The staged bytes of `key` if they match the file's current signature."""
-        item = self.staged.pop(key, None)
+        item = self.staged.get(key)
         if item is None:
             return None
         data, staged_sig = item
-        self.staged_bytes -= len(data)
+        if key in self._takes_left and staged_sig == sig:
+            # A group's member behind the fastest will open it too: keep it staged.
+            self.served += 1
+            return data
+        self._unstage(key)
         self._wake.set()
         if staged_sig != sig:
             self.wasted += 1
             return None
         self.served += 1
         return data
+
+    def _unstage(self, key: int) -> None:
+        data, _ = self.staged.pop(key)
+        self.staged_bytes -= len(data)
+        self._takes_left.pop(key, None)
+        self._held_since.pop(key, None)
 
     # --- the fetch side -------------------------------------------------------------------
 
@@ -311,6 +347,10 @@ class Prefetcher:
             return
         self.staged[key] = (data, sig)
         self.staged_bytes += len(data)
+        readers = max(p.readers for p in self.plans.values() if p.next_use(key) != math.inf)
+        if readers > 1:
+            self._takes_left[key] = readers
+            self._held_since[key] = time.monotonic()
 
     def _planned(self, key: int) -> bool:
         return any(p.next_use(key) != math.inf for p in self.plans.values())
@@ -328,13 +368,18 @@ class Prefetcher:
                 ended.append(name)
         for name in ended:
             del self.plans[name]
-        if ended:
+        old = [k for k, t in self._held_since.items() if now - t > self.abandon_after]
+        for key in old:
+            # A group member that never came for it: stop holding it for them.
+            self._takes_left.pop(key, None)
+            self._held_since.pop(key, None)
+        if ended or old:
             self._drop_unplanned()
 
     def _drop_unplanned(self) -> None:
-        for key in [k for k in self.staged if not self._planned(k)]:
-            data, _ = self.staged.pop(key)
-            self.staged_bytes -= len(data)
+        held = self._takes_left
+        for key in [k for k in self.staged if k not in held and not self._planned(k)]:
+            self._unstage(key)
             self.wasted += 1
 
     def describe(self) -> PrefetchStats:

@@ -103,7 +103,7 @@ class SsdTier:
 
     # --- the read path ------------------------------------------------------------------
 
-    async def lookup(self, key: int, relpath: bytes, sig: Signature) -> bytes | None:
+    async def lookup(self, key: int, relpath: bytes, sig: Signature, job: int = 0) -> bytes | None:
         """The entry's bytes, or None if it is not (validly) here.
 
         An entry that is already in the page cache is read inline: a thread hop would cost
@@ -120,10 +120,12 @@ class SsdTier:
             data = await trio.to_thread.run_sync(
                 self.store.get, relpath, sig, limiter=self._limiter
             )
-        self._seen(key, relpath, sig, data)
+        self._seen(key, relpath, sig, data, job)
         return data
 
-    def _seen(self, key: int, relpath: bytes, sig: Signature, data: bytes | None) -> None:
+    def _seen(
+        self, key: int, relpath: bytes, sig: Signature, data: bytes | None, job: int = 0
+    ) -> None:
         known = key in self.index
         if data is None:
             if known:
@@ -134,7 +136,7 @@ class SsdTier:
         if not known:
             # Found before the restore reached it: index it now.
             self._index(key, relpath, sig.size, restored=True)
-        self.policy.accessed(key, True)
+        self.policy.accessed(key, True, job)
 
     def _index(self, key: int, relpath: bytes, size: int, *, restored: bool = False) -> None:
         disk = self.disk_size(relpath, size)
@@ -148,8 +150,8 @@ class SsdTier:
         if self.index.pop(key, None) is not None:
             self.policy.removed(key)
 
-    def missed(self, key: int) -> None:
-        self.policy.accessed(key, False)
+    def missed(self, key: int, job: int = 0) -> None:
+        self.policy.accessed(key, False, job)
 
     def contains(self, key: int) -> bool:
         return key in self.index

@@ -74,7 +74,7 @@ class Channel:
             self.service.ingest_losses(message)
             return None
         request = wire.decode_order_request(message)
-        share = self.service.order(request)
+        share = self.service.order(request, handle.pid)
         handle.data = wire.encode_order_response(request.epoch, share)
         return None
 

@@ -39,7 +39,8 @@ drop                 drop every cached file from RAM (the SSD tier is kept)
 evict PATH...        drop these files (relative to the mount root) from every tier
 prefetch PATH...     fetch these files ahead, in this order (a small plan)
 plan-drop NAME|all   forget prefetch plans (names in stats.json, prefetch.plan_positions)
-epoch N              the training job starts epoch N
+epoch N              the writing job starts epoch N
+job NAME [group=G]   name the writing process's job (stats.json `jobs`); G: its sweep group
 report [epoch=N] [train_loss=X] [val_accuracy=Y]
                      end-of-epoch progress (adapts the replay factor)
 replay R|auto        fix the replay factor r (>= 1) or let the daemon adapt it
@@ -66,10 +67,11 @@ def help_text(service: ControlService, last_result: str) -> str:
     return text + f"# last write: {last_result}\n"
 
 
-async def execute(service: ControlService, buf: bytes) -> str:
+async def execute(service: ControlService, buf: bytes, pid: int = 0) -> str:
     """Validate every line of `buf`, then apply them all (or none: CommandError).
 
-    Returns what the write did, for the ctl file's last line.
+    `pid` is the writing process: `epoch` and `job` apply to its job. Returns what the
+    write did, for the ctl file's last line.
     """
     try:
         text = buf.decode("utf-8")
@@ -80,16 +82,18 @@ async def execute(service: ControlService, buf: bytes) -> str:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        actions.append((line, await _parse(service, line)))
+        actions.append((line, await _parse(service, line, pid)))
     if not actions:
         raise CommandError("no command given")
     results = [f"{line}: {await apply()}" for line, apply in actions]
     return "ok: " + "; ".join(results)
 
 
-async def _parse(service: ControlService, line: str) -> Action:
+async def _parse(service: ControlService, line: str, pid: int) -> Action:
     words = line.split()
     cmd, args = words[0], words[1:]
+    if cmd in _JOB_PARSERS:
+        return await _JOB_PARSERS[cmd](service, args, pid)
     parser = _PARSERS.get(cmd)
     if parser is None:
         raise CommandError(f"unknown command {cmd!r} (read the ctl file for the list)")
@@ -192,18 +196,42 @@ async def _plan_drop(service: ControlService, args: list[str]) -> Action:
     return apply
 
 
-async def _epoch(service: ControlService, args: list[str]) -> Action:
+async def _epoch(service: ControlService, args: list[str], pid: int) -> Action:
     _nargs("epoch", args, 1)
     epoch = parse_int(args[0], "epoch")
 
     async def apply() -> str:
-        service.begin_epoch(epoch)
+        service.begin_epoch(epoch, pid)
         return f"epoch {epoch}"
 
     return apply
 
 
-async def _report(service: ControlService, args: list[str]) -> Action:
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
+
+
+async def _job(service: ControlService, args: list[str], pid: int) -> Action:
+    if not 1 <= len(args) <= 2:
+        raise CommandError("job takes a name and optionally group=NAME")
+    name, group = args[0], ""
+    if len(args) == 2:
+        key, sep, group = args[1].partition("=")
+        if key != "group" or not sep:
+            raise CommandError(f"job: bad argument {args[1]!r} (group=NAME)")
+    for what, value in (("name", name), ("group", group)):
+        if value and not _JOB_NAME.fullmatch(value):
+            raise CommandError(f"job: bad {what} {value!r} (letters, digits, _.:/@+-)")
+    if not pid:
+        raise CommandError("job: the writing process is unknown")
+
+    async def apply() -> str:
+        service.name_job(pid, name, group)
+        return f"job {name}" + (f" in group {group}" if group else "")
+
+    return apply
+
+
+async def _report(service: ControlService, args: list[str], pid: int) -> Action:
     values: dict[str, float] = {}
     for arg in args:
         key, sep, value = arg.partition("=")
@@ -217,6 +245,7 @@ async def _report(service: ControlService, args: list[str]) -> Action:
             None if epoch is None else int(epoch),
             values.get("train_loss"),
             values.get("val_accuracy"),
+            pid,
         )
 
     return apply
@@ -256,10 +285,16 @@ _PARSERS: dict[str, Callable[[ControlService, list[str]], Awaitable[Action]]] = 
     "evict": _evict,
     "prefetch": _prefetch,
     "plan-drop": _plan_drop,
-    "epoch": _epoch,
-    "report": _report,
     "replay": _replay,
     "log-level": _log_level,
+}
+
+
+# Commands that apply to the writing process's job.
+_JOB_PARSERS: dict[str, Callable[[ControlService, list[str], int], Awaitable[Action]]] = {
+    "epoch": _epoch,
+    "report": _report,
+    "job": _job,
 }
 
 

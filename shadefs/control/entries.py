@@ -45,9 +45,9 @@ CHANNEL = (*STREAMS, RESIDENCY, PLAN)
 class Handle:
     """One open control file: what reads return, and what writes left half-done."""
 
-    __slots__ = ("spec", "data", "pending", "poisoned", "plan", "owner", "written", "base")
+    __slots__ = ("spec", "data", "pending", "poisoned", "plan", "owner", "written", "base", "pid")
 
-    def __init__(self, spec: Spec, data: bytes | bytearray, owner: str = "") -> None:
+    def __init__(self, spec: Spec, data: bytes | bytearray, owner: str = "", pid: int = 0) -> None:
         self.spec = spec
         self.data = data  # what reads return
         self.pending = bytearray()  # written bytes not yet processed
@@ -55,5 +55,6 @@ class Handle:
         # A plan being written: (keys, relative paths, sizes) of each complete chunk of lines.
         self.plan: list[tuple[np.ndarray, list[bytes], np.ndarray]] = []
         self.owner = owner  # who opened it, as a plan name
+        self.pid = pid  # the process that opened it (its job is the writer's)
         self.written = 0  # bytes written so far (the file offset after the request)
         self.base: int | None = None  # where the response starts in the reader's offsets

@@ -143,7 +143,7 @@ class Control:
         fh = self._next_fh
         self._next_fh += 1
         # One plan per writing process: a job that writes a new plan replaces its old one.
-        self._handles[fh] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}")
+        self._handles[fh] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     def _content(self, spec: Spec) -> bytes | bytearray:
@@ -187,7 +187,7 @@ class Control:
             raise pyfuse3.FUSEError(errno.EFBIG)
         try:
             if handle.spec is CTL:
-                self.last_result = await commands.execute(self.service, buf)
+                self.last_result = await commands.execute(self.service, buf, handle.pid)
                 log.info("control: %s", self.last_result)
             elif handle.spec in CHANNEL:
                 result = await self.channel.write(handle, buf)

@@ -103,14 +103,23 @@ class ControlService(Protocol):
         """Forget these prefetch plans; returns how many there were."""
         ...
 
-    def begin_epoch(self, epoch: int) -> None:
-        """The training job starts epoch `epoch`."""
+    def begin_epoch(self, epoch: int, pid: int = 0) -> None:
+        """The job of process `pid` (0: every job) starts epoch `epoch`."""
+        ...
+
+    def name_job(self, pid: int, name: str, group: str) -> None:
+        """Process `pid`'s job is called `name`, in sweep group `group` ("" for none)."""
         ...
 
     def report(
-        self, epoch: int | None, train_loss: float | None, val_accuracy: float | None
+        self,
+        epoch: int | None,
+        train_loss: float | None,
+        val_accuracy: float | None,
+        pid: int = 0,
     ) -> str:
-        """End-of-epoch progress; returns the resulting replay factor, as a sentence."""
+        """End-of-epoch progress of process `pid`'s job; returns the resulting replay
+        factor, as a sentence."""
         ...
 
     def set_replay(self, value: float | None) -> None:
@@ -134,7 +143,8 @@ class ControlService(Protocol):
         number of losses."""
         ...
 
-    def order(self, request: OrderRequest) -> np.ndarray:
+    def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         """The requesting rank's share of the epoch order, as sample ids; from then on the
-        daemon prefetches it for that rank."""
+        daemon prefetches it for that rank. `pid`: the requesting process (its job's group
+        shares one order per epoch)."""
         ...

@@ -213,7 +213,7 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
-        data = await self.cache.open(inode, node.path, st)
+        data = await self.cache.open(inode, node.path, st, ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
         if data is not None:

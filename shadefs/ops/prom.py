@@ -20,7 +20,9 @@ with the names in `METRICS`:
   read, else 0);
 - `shadefs_policy_<field>` for the RAM policy's state (entries, epoch, min/max score);
 - `shadefs_tier_*{tier="ram"|"ssd"}` per cache tier;
-- `shadefs_restore_*`, `shadefs_prefetch_*`, `shadefs_sampler_*` per section.
+- `shadefs_restore_*`, `shadefs_prefetch_*`, `shadefs_sampler_*` per section;
+- `shadefs_job_*{job,group}` per active job (`JOB_METRICS`); jobs expire after
+  `--job-idle` seconds without reads, so the label values stay bounded.
 
 Every scrape calls the stats callable once, so one scrape is one consistent snapshot. The
 collector has no `describe()`, and the registries are built with auto_describe off, so
@@ -173,6 +175,15 @@ METRICS: tuple[Sample, ...] = (
     _c("sampler.losses_ingested", "sampler_losses_ingested", "Per-sample losses received"),
     _c("sampler.reports", "sampler_reports", "End-of-epoch reports received"),
 )
+# JobStats field -> (kind, metric name after `job_`, help), one sample per active job.
+JOB_METRICS: dict[str, tuple[Kind, str, str]] = {
+    "epoch": ("gauge", "epoch", "Epoch the job is in (inferred or announced)"),
+    "hits": ("counter", "hits", "Opens of the job served from the cache"),
+    "misses": ("counter", "misses", "Opens of the job that went to the source"),
+    "bytes_served": ("counter", "bytes_served", "Bytes of the files the job opened"),
+    "idle_seconds": ("gauge", "idle_seconds", "Seconds since the job's last read"),
+    "last_seen": ("gauge", "last_seen_seconds", "Unix time of the job's last read"),
+}
 # The mount's identity, as the labels of `shadefs_info` (value 1).
 INFO: dict[str, str] = {
     "mountpoint": "mountpoint",
@@ -244,7 +255,18 @@ class StatsCollector(Collector):
                     f"{PREFIX}_{m.name}", m.doc, labels=[k for k, _ in m.labels]
                 )
             fam.add_metric([value for _, value in m.labels], v)
-        return [_up(1.0), info, *fams.values()]
+        return [_up(1.0), info, *fams.values(), *_jobs(stats)]
+
+
+def _jobs(stats: Stats) -> list[Metric]:
+    fams: list[Metric] = []
+    for field, (kind, name, doc) in JOB_METRICS.items():
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        fam = cls(f"{PREFIX}_job_{name}", doc, labels=["job", "group"])
+        for job in stats.jobs:
+            fam.add_metric([job.id, job.group], float(getattr(job, field)))
+        fams.append(fam)
+    return fams
 
 
 def _up(value: float) -> Metric:

@@ -37,4 +37,10 @@ def render_text(s: Stats) -> str:
             f"{ssd.corrupt_entries} corrupt entries, restore "
             f"{'done' if r.done else 'running'} ({r.entries} entries)",
         )
+    for job in s.jobs:
+        group = f" (group {job.group})" if job.group else ""
+        lines.append(
+            f"job           {job.id}{group}: epoch {job.epoch}, {job.hits} hits, "
+            f"{job.misses} misses, {format_size(job.bytes_served)} served"
+        )
     return "\n".join(lines) + "\n"

@@ -217,7 +217,34 @@ def view(prev: Stats | None, cur: Stats, dt: float, *, interval: float | None = 
     details.add_column()
     for label, line in _details(r, cur):
         details.add_row(label, line)
-    return Group(header, Text(""), counters, Text(""), tiers, Text(""), details)
+    parts: list[RenderableType] = [header, Text(""), counters, Text(""), tiers, Text(""), details]
+    if cur.jobs:
+        parts += [Text(""), _jobs(prev, cur, dt)]
+    return Group(*parts)
+
+
+def _jobs(prev: Stats | None, cur: Stats, dt: float) -> Table:
+    """One row per active job: its epoch, its opens per second and its own hit ratio."""
+    before = {j.id: j for j in prev.jobs} if prev is not None else {}
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for title in ("job", "group", "epoch", "opens/s", "hit ratio", "served", "idle"):
+        table.add_column(title, justify="left" if title in ("job", "group") else "right")
+    for job in cur.jobs:
+        opens = job.hits + job.misses
+        old = before.get(job.id)
+        rate = None
+        if old is not None and dt > 0 and opens >= old.hits + old.misses:
+            rate = (opens - old.hits - old.misses) / dt
+        table.add_row(
+            job.id,
+            job.group or "-",
+            str(job.epoch),
+            _f(rate),
+            f"{job.hits / opens:.3f}" if opens else "-",
+            format_size(job.bytes_served),
+            f"{job.idle_seconds:.0f} s",
+        )
+    return table
 
 
 def _details(r: _Rates, cur: Stats) -> list[tuple[str, RenderableType]]:

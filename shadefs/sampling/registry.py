@@ -11,7 +11,10 @@ reports per-sample losses, and asks for each epoch's order. This module owns:
 - the epoch order (pads.py), built once per (epoch, seed, world size) and then sliced for
   each rank. Building it once matters for correctness, not just speed: the table and the
   resident set change while an epoch runs, and ranks that asked at different moments must
-  still get disjoint shares of one global list.
+  still get disjoint shares of one global list. The jobs of a sweep group (several
+  trainings over one dataset) share one order per (group, epoch, world size), whatever
+  seed each passes: the group's first request decides it, and the others get the same
+  list, so that each file is fetched once for all of them.
 
 It makes no I/O of its own: resolving paths goes through the namespace given to it.
 """
@@ -32,8 +35,8 @@ from shadefs.stats import SamplerStats
 
 log = logging.getLogger(__name__)
 
-# How many epochs' global orders to keep (the current one and a straggler's).
-_ORDERS_KEPT = 4
+# How many global orders to keep (the current one and a straggler's, per group).
+_ORDERS_KEPT = 8
 
 
 class SamplingError(ValueError):
@@ -58,7 +61,7 @@ class Sampling:
         self.losses_ingested = 0
         self.reports = 0
         self.last_report: dict[str, float] = {}
-        self._orders: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
+        self._orders: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
 
     @property
     def n(self) -> int:
@@ -145,14 +148,18 @@ class Sampling:
     # --- orders -----------------------------------------------------------------------
 
     def order(
-        self, request: wire.OrderRequest, resident: Callable[[np.ndarray], np.ndarray]
+        self,
+        request: wire.OrderRequest,
+        resident: Callable[[np.ndarray], np.ndarray],
+        group: str = "",
     ) -> np.ndarray:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
-        cached."""
+        cached. The members of sweep group `group` ("" for none) share one order."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
-        cache_key = (request.epoch, request.seed, request.world_size)
+        seed = -1 if group else request.seed  # a group's order: whichever seed came first
+        cache_key = (group, request.epoch, seed, request.world_size)
         full = self._orders.get(cache_key)
         if full is None:
             params = pads.OrderParams(

@@ -103,6 +103,11 @@ class ShadeSampler(Sampler[int]):
         replay: None lets the daemon adapt the replay factor r; a number >= 1 fixes it.
         flush_every: batches buffered per losses message (and per all-gather when
             distributed).
+        group: the sweep group this job belongs to: every job of a group (concurrent
+            trainings over one dataset on one mount) gets the same order each epoch, so
+            that each file is fetched from the source once for all of them.
+        job: this job's name in the mount's stats (default: ``GROUP/pid:PID`` in a group,
+            else the daemon's ``pid:PID``).
     """
 
     def __init__(
@@ -115,6 +120,8 @@ class ShadeSampler(Sampler[int]):
         seed: int = 0,
         replay: float | None = None,
         flush_every: int = 64,
+        group: str | None = None,
+        job: str | None = None,
     ) -> None:
         paths = _sample_paths(dataset)
         if not paths:
@@ -169,6 +176,11 @@ class ShadeSampler(Sampler[int]):
         if self._sender:
             self._client.register(wire.encode_dataset(relative))
             self._client.ctl("replay auto" if replay is None else f"replay {replay:g}")
+        if group is not None or job is not None:
+            # From this process: the daemon names the job of the writing process.
+            name = job if job is not None else f"{group}/pid:{os.getpid()}"
+            self._client.ctl(f"job {name}" + (f" group={group}" if group else ""))
+        self.group = group
         if self._distributed:
             dist.barrier()  # nobody asks for an order before the table exists
         log.debug(

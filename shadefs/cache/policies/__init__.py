@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from shadefs.cache.policies.base import Policy
 from shadefs.cache.policies.belady import BeladyPolicy
 from shadefs.cache.policies.epoch import EpochPolicy
@@ -39,11 +41,13 @@ def make_policy(
     name: str,
     score: Callable[[int], float] | None = None,
     next_use: Callable[[int], float] | None = None,
+    planned: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
-    `belady` by `next_use` (every key infinitely far if None)."""
+    `belady` by `next_use` (every key infinitely far if None); `epoch` asks `planned`
+    what a sweep group's order still reads."""
     if name == "epoch":
-        return EpochPolicy()
+        return EpochPolicy(planned)
     if name == "lru":
         return LruPolicy()
     if name == "shade":

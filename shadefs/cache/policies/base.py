@@ -1,7 +1,8 @@
 """The policy interface and the victim walks that several policies share.
 
 A policy is a pure decision object: it never does I/O and never takes a lock. The cache
-tells it what happens (`inserted`, `restored`, `removed`, `accessed`, `begin_epoch`) and asks
+tells it what happens (`inserted`, `restored`, `removed`, `accessed` with the reading
+job, `begin_epoch`, `job_ended`) and asks
 it two questions: may this miss be admitted, and if so which resident entries make room for
 it (`admit`); and which entries to drop to free bytes when the budget shrinks (`shrink`).
 Keys are opaque ints (the cache uses inode numbers), sizes are bytes.
@@ -43,8 +44,9 @@ class Policy(ABC):
         self.inserted(key, size)
 
     @abstractmethod
-    def accessed(self, key: int, hit: bool) -> None:
-        """An open of `key` (one sample read); `hit` says whether it was resident."""
+    def accessed(self, key: int, hit: bool, job: int = 0) -> None:
+        """An open of `key` (one sample read) by job `job` (the cache's job row, 0 when
+        unknown); `hit` says whether it was resident."""
 
     @abstractmethod
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
@@ -57,8 +59,19 @@ class Policy(ABC):
     def shrink(self, need: int) -> list[int]:
         """Victims, in eviction order, that free at least `need` bytes (or everything)."""
 
-    def begin_epoch(self, epoch: int) -> None:  # noqa: B027 - optional hook
-        """The sampler announced epoch `epoch` (policies that infer epochs may use it)."""
+    def begin_epoch(self, epoch: int, job: int | None = None) -> None:  # noqa: B027
+        """The sampler announced epoch `epoch` for job `job` (None: every job); policies
+        that infer epochs may use it."""
+
+    def job_named(self, job: int, group: str) -> None:  # noqa: B027 - optional hook
+        """Job `job` belongs to sweep group `group` ("" for none)."""
+
+    def job_ended(self, job: int) -> None:  # noqa: B027 - optional hook
+        """Job `job` is over (idle): it reads nothing more, and its row may be reused."""
+
+    def job_epochs(self) -> dict[int, int]:
+        """The epoch of each job the policy tracks (policies that track none: {})."""
+        return {}
 
     def describe(self) -> PolicyState:
         return PolicyState(name=self.name, entries=len(self.sizes))

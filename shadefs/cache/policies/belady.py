@@ -51,7 +51,7 @@ class BeladyPolicy(Policy):
         if t is not None:
             self._ranked.remove((t, key))
 
-    def accessed(self, key: int, hit: bool) -> None:
+    def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         if key in self._rank_of:
             self._rank(key)
 

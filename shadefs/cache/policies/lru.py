@@ -24,7 +24,7 @@ class LruPolicy(Policy):
         super().removed(key)
         self._order.pop(key, None)
 
-    def accessed(self, key: int, hit: bool) -> None:
+    def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         if hit and key in self._order:
             self._order.move_to_end(key)
 

@@ -48,7 +48,7 @@ class ShadePolicy(Policy):
         if s is not None:
             self._ranked.remove((s, key))
 
-    def accessed(self, key: int, hit: bool) -> None:
+    def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         pass  # reads say nothing about importance under an importance sampler
 
     def _bottom(self) -> Iterator[tuple[float, int]]:
