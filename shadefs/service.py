@@ -146,25 +146,21 @@ class Service:
         return list(self.prefetcher.plans) if self.prefetcher is not None else []
 
     async def resolve_files(self, rels: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        stats = await self.namespace.resolve(rels)
-        keys = np.empty(len(rels), dtype=np.uint64)
-        sizes = np.empty(len(rels), dtype=np.int64)
-        for i, st in enumerate(stats):
-            if st is None or not stat.S_ISREG(st.st_mode):
-                raise Rejected(f"{os.fsdecode(rels[i])!r} is not a regular file in the mount")
-            keys[i] = self.namespace.ino_of(st)
-            sizes[i] = st.st_size
-        return keys, sizes
+        found = await self.namespace.resolve(rels)
+        bad = np.flatnonzero(found.mode & stat.S_IFMT(0o177777) != stat.S_IFREG)
+        if len(bad):
+            rel = rels[int(bad[0])]
+            raise Rejected(f"{os.fsdecode(rel)!r} is not a regular file in the mount")
+        return found.ino, found.size
 
     async def residency(self, rels: list[bytes]) -> list[str]:
-        out = []
-        for st in await self.namespace.resolve(rels):
-            if st is None or not stat.S_ISREG(st.st_mode):
-                out.append("missing")
-            else:
-                # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
-                out.append(RESIDENCY_STATES[self.cache.tier_of(self.namespace.ino_of(st))])
-        return out
+        found = await self.namespace.resolve(rels)
+        regular = (found.mode & stat.S_IFMT(0o177777)) == stat.S_IFREG
+        # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
+        return [
+            RESIDENCY_STATES[self.cache.tier_of(key)] if ok else "missing"
+            for key, ok in zip(found.ino.tolist(), regular.tolist(), strict=True)
+        ]
 
     # --- ControlService: ctl commands -----------------------------------------------------
 
