@@ -145,7 +145,7 @@ class Service:
     def plan_names(self) -> list[str]:
         return list(self.prefetcher.plans) if self.prefetcher is not None else []
 
-    async def resolve_files(self, rels: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    async def resolve_files(self, rels: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         found = await self.namespace.resolve(rels)
         bad = np.flatnonzero(found.mode & stat.S_IFMT(0o177777) != stat.S_IFREG)
         if len(bad):
@@ -224,10 +224,7 @@ class Service:
 
     async def register_dataset(self, paths: list[str]) -> None:
         with _refusing():
-            await self.sampling.register(paths, self._resolve_dataset)
-
-    async def _resolve_dataset(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        return await self.resolve_files([os.fsencode(p) for p in paths])
+            await self.sampling.register(paths, self.resolve_files)
 
     def dataset_info(self) -> DatasetInfo:
         s = self.sampling
@@ -245,7 +242,7 @@ class Service:
             # The daemon now knows what this rank reads next: prefetch its misses.
             s = self.sampling
             name = f"order:seed={request.seed}:world={request.world_size}:rank={request.rank}"
-            paths = [os.fsencode(s.paths[i]) for i in share.tolist()]
+            paths = s.paths.take(share)
             self.prefetcher.add_plan(Plan(name, s.keys[share], paths, s.sizes[share]))
         return share
 

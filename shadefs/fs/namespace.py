@@ -37,6 +37,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -400,38 +401,50 @@ class Namespace:
 
     # --- resolving paths that the kernel has not looked up ------------------------------
 
-    async def resolve(self, paths: list[bytes]) -> Resolved:
+    async def resolve(self, paths: Sequence[bytes]) -> Resolved:
         """Inode, size and mode of many relative paths, listing each parent directory once.
 
         Used for the sampler's file list and the residency queries: a million paths in a
-        thousand class directories cost a thousand source listings, not a million lstats,
-        and the answer is three arrays. A path that does not exist, or whose parent is not
-        a directory or is reached through a symlink, gets mode 0. Nothing is kept.
+        thousand class directories cost a thousand source listings, not a million lstats
+        (none for a directory whose snapshot is fresh: it is what lookups answer from), and
+        the answer is three arrays. A path that does not exist, or whose parent is not a
+        directory or is reached through a symlink, gets mode 0. Nothing is kept.
         """
+        splits = [p.rpartition(b"/") for p in paths]
         by_dir: dict[bytes, list[int]] = {}
-        for i, p in enumerate(paths):
-            by_dir.setdefault(p.rpartition(b"/")[0], []).append(i)
+        for i, (parent, _, _) in enumerate(splits):
+            by_dir.setdefault(parent, []).append(i)
         n = len(paths)
         out = Resolved(np.zeros(n, np.uint64), np.zeros(n, np.int64), np.zeros(n, np.uint32))
+        fresh = self._fresh_listings()
         for parent, idxs in by_dir.items():
-            try:
-                names, rows, devs = await self.source.run(self._scan, parent)
-            except pyfuse3.FUSEError as exc:
-                if exc.errno in _GONE:
-                    continue
-                raise
-            if not names:
-                continue
-            have = np.array(names)
-            want = np.array([paths[i].rpartition(b"/")[2] for i in idxs])
-            width = max(have.dtype.itemsize, want.dtype.itemsize)
-            have, want = have.astype(f"S{width}"), want.astype(f"S{width}")
-            at = np.minimum(np.searchsorted(have, want), len(names) - 1)
-            found = have[at] == want
-            # np.array of bytes drops trailing NULs, which names cannot hold: exact match.
+            snap = fresh.get(parent)
+            if snap is not None:
+                names, rows, inos = snap.name_list(), snap.rows, snap.ino
+            else:
+                try:
+                    names, rows, devs = await self.source.run(self._scan, parent)
+                except pyfuse3.FUSEError as exc:
+                    if exc.errno in _GONE:
+                        continue
+                    raise
+                inos = self._inos(rows, devs)
+            index = {name: j for j, name in enumerate(names)}
+            at = np.fromiter((index.get(splits[i][2], -1) for i in idxs), np.int64, len(idxs))
+            found = at >= 0
             dst = np.asarray(idxs, dtype=np.int64)[found]
             src = at[found]
-            out.ino[dst] = self._inos(rows[src], devs[src])
+            out.ino[dst] = inos[src]
             out.size[dst] = rows["st_size"][src]
             out.mode[dst] = rows["st_mode"][src]
+        return out
+
+    def _fresh_listings(self) -> dict[bytes, Snapshot]:
+        """The current snapshots younger than `revalidate`, by directory path."""
+        now = time.monotonic()
+        out = {}
+        for slot in self.listings.values():
+            snap = self._snaps[slot]
+            if snap is not None and now - snap.stamp < self.revalidate:
+                out[snap.path] = snap
         return out

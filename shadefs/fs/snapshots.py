@@ -151,6 +151,11 @@ class Snapshot:
         name = self.names[offs[i] : offs[i + 1]]
         return self.path + b"/" + name if self.path else name
 
+    def name_list(self) -> list[bytes]:
+        """Every name, as a transient list."""
+        names, offs = self.names, self.offs
+        return [names[offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
+
     def find(self, name: bytes) -> int:
         """The row of `name`, or -1 (binary search: the names are sorted)."""
         names, offs = self.names, self.offs
