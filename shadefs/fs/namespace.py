@@ -38,13 +38,14 @@ import os
 import stat
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import pyfuse3
 import trio
 
 from shadefs.cache.ssd_format import Signature
+from shadefs.fs import records
+from shadefs.fs.records import Node, Resolved
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.source import Source
 from shadefs.stats import NamespaceStats
@@ -60,23 +61,6 @@ _MAX_INO = (1 << 64) - 1
 # is now a symlink, which the source refuses to follow).
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _ROW = 0xFFFFFFFF
-
-
-class Node(NamedTuple):
-    """A looked-up entry as callers see it, built on demand from its snapshot row."""
-
-    path: bytes
-    st: Stat
-    lookups: int
-    checked: float
-
-
-class Resolved(NamedTuple):
-    """What `resolve` found for each path: FUSE inode, size and mode (0: missing)."""
-
-    ino: np.ndarray
-    size: np.ndarray
-    mode: np.ndarray
 
 
 class Namespace:
@@ -176,6 +160,17 @@ class Namespace:
         snap, i = self.locate(ino)
         return Node(snap.child_path(i), snap.stat(i), int(snap.lookups[i]), snap.checked[i])
 
+    def opening(self, ino: int) -> tuple[Stat, bytes, float]:
+        """(stat, path, time of the last signature check) of a file being opened; ESTALE
+        for an inode the kernel does not reference. One call: it is on every open."""
+        val = self.table.get(ino)
+        if val < 0:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        snap = self._snaps[val >> 32]
+        assert snap is not None
+        i = val & _ROW
+        return snap.stat(i), snap.child_path(i), snap.checked.item(i)
+
     def path(self, ino: int) -> bytes:
         snap, i = self.locate(ino)
         return snap.child_path(i)
@@ -232,6 +227,32 @@ class Namespace:
             # Unchanged in a refreshed listing: follow it, so that the old one can go. A
             # changed one keeps its own stat until fresh_stat notices the change.
             self._move(ino, old, oi, snap, i, float(old.checked[oi]))
+
+    def remember_rows(self, snap: Snapshot, lo: int, hi: int) -> None:
+        """`remember` rows lo..hi-1 of `snap` (the entries readdirplus handed out).
+
+        A row with a nonzero lookup count is its inode's node (nothing else counts), so
+        those are counted in one step; new inodes are added with one table probe each.
+        """
+        if lo >= hi:
+            return
+        seg = snap.lookups[lo:hi]
+        owned = seg > 0
+        seg[owned] += 1
+        if owned.all():
+            return
+        table, key = self.table, snap.slot << 32
+        inos = snap.ino[lo:hi].tolist()
+        added = []
+        for k in np.flatnonzero(~owned).tolist():
+            if table.setdefault(inos[k], key | (lo + k)) < 0:
+                added.append(lo + k)
+            else:  # known elsewhere (a refreshed listing, a hard link, a reused number)
+                self.remember(inos[k], snap, lo + k)
+        if added:
+            snap.lookups[added] = 1
+            snap.checked[added] = snap.stamp
+            snap.refs += len(added)
 
     def _move(self, ino: int, old: Snapshot, oi: int, new: Snapshot, i: int, t: float) -> None:
         new.lookups[i] = old.lookups[oi]
@@ -380,24 +401,12 @@ class Namespace:
         log.info("%r changed on the source: refetching", path)
         return Stat.of(st), True
 
+    def attrs_of_row(self, ino: int, row: tuple[int, ...]) -> pyfuse3.EntryAttributes:
+        """attrs() of a snapshot row's tolist() (readdir's loop: no Stat built)."""
+        return records.attrs_of_row(ino, row, self.timeout)
+
     def attrs(self, ino: int, st: Stat | os.stat_result) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = ino
-        a.generation = 0
-        a.entry_timeout = self.timeout
-        a.attr_timeout = self.timeout
-        a.st_mode = st.st_mode
-        a.st_nlink = st.st_nlink
-        a.st_uid = st.st_uid
-        a.st_gid = st.st_gid
-        a.st_rdev = st.st_rdev
-        a.st_size = st.st_size
-        a.st_blksize = st.st_blksize
-        a.st_blocks = st.st_blocks
-        a.st_atime_ns = st.st_atime_ns
-        a.st_mtime_ns = st.st_mtime_ns
-        a.st_ctime_ns = st.st_ctime_ns
-        return a
+        return records.attrs(ino, st, self.timeout)
 
     # --- resolving paths that the kernel has not looked up ------------------------------
 
@@ -410,12 +419,8 @@ class Namespace:
         the answer is three arrays. A path that does not exist, or whose parent is not a
         directory or is reached through a symlink, gets mode 0. Nothing is kept.
         """
-        splits = [p.rpartition(b"/") for p in paths]
-        by_dir: dict[bytes, list[int]] = {}
-        for i, (parent, _, _) in enumerate(splits):
-            by_dir.setdefault(parent, []).append(i)
-        n = len(paths)
-        out = Resolved(np.zeros(n, np.uint64), np.zeros(n, np.int64), np.zeros(n, np.uint32))
+        splits, by_dir = records.by_parent(paths)
+        out = Resolved.empty(len(paths))
         fresh = self._fresh_listings()
         for parent, idxs in by_dir.items():
             snap = fresh.get(parent)
@@ -429,14 +434,7 @@ class Namespace:
                         continue
                     raise
                 inos = self._inos(rows, devs)
-            index = {name: j for j, name in enumerate(names)}
-            at = np.fromiter((index.get(splits[i][2], -1) for i in idxs), np.int64, len(idxs))
-            found = at >= 0
-            dst = np.asarray(idxs, dtype=np.int64)[found]
-            src = at[found]
-            out.ino[dst] = inos[src]
-            out.size[dst] = rows["st_size"][src]
-            out.mode[dst] = rows["st_mode"][src]
+            out.fill(idxs, [splits[i][2] for i in idxs], names, rows, inos)
         return out
 
     def _fresh_listings(self) -> dict[bytes, Snapshot]:

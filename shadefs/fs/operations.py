@@ -33,7 +33,6 @@ from shadefs.cache.coordinator import Cache
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
-from shadefs.fs.snapshots import Stat
 from shadefs.source import Source
 from shadefs.stats import Metrics
 
@@ -158,7 +157,7 @@ class Operations(pyfuse3.Operations):
                 if i >= start_id and not pyfuse3.readdir_reply(token, name, dot, i + 1):
                     return
             start_id = 2
-        attrs, remember, make = self.ns.attrs, self.ns.remember, Stat._make
+        attrs_of_row, remember_rows = self.ns.attrs_of_row, self.ns.remember_rows
         names, offs, n = listing.names, listing.offs, len(listing)
         # Rows are converted a chunk at a time: the kernel's buffer takes a few dozen.
         for lo in range(start_id - 2, n, _READDIR_CHUNK):
@@ -167,12 +166,12 @@ class Operations(pyfuse3.Operations):
             inos = listing.ino[lo:hi].tolist()
             for k in range(hi - lo):
                 i = lo + k
-                ino = inos[k]
                 name = names[offs[i] : offs[i + 1]]
-                if not pyfuse3.readdir_reply(token, name, attrs(ino, make(rows[k])), i + 3):
+                if not pyfuse3.readdir_reply(token, name, attrs_of_row(inos[k], rows[k]), i + 3):
+                    # Accepted readdirplus entries are lookups: the kernel will forget them.
+                    remember_rows(listing, lo, i)
                     return
-                # An accepted readdirplus entry is a lookup: the kernel will forget it later.
-                remember(ino, listing, i)
+            remember_rows(listing, lo, hi)
 
     async def releasedir(self, fh: FileHandleT) -> None:
         pass
@@ -213,12 +212,11 @@ class Operations(pyfuse3.Operations):
             return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
             raise _erofs()
-        snap, i = self.ns.locate(inode)
-        st, changed = snap.stat(i), False
+        st, path, checked = self.ns.opening(inode)
+        changed = False
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
-        path = snap.child_path(i)
-        if time.monotonic() - snap.checked[i] >= self.ns.revalidate:
+        if time.monotonic() - checked >= self.ns.revalidate:
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)

@@ -91,6 +91,9 @@ def _row(st: os.stat_result) -> tuple[int, ...]:
     )
 
 
+_new_tuple = tuple.__new__
+
+
 class Snapshot:
     """One directory's listing (or the root's own entry), with its referenced rows' state.
 
@@ -171,15 +174,14 @@ class Snapshot:
         return -1
 
     def stat(self, i: int) -> Stat:
-        return Stat._make(self.rows[i].tolist())
+        # item() and tuple.__new__: the cheapest way from a row to a record (on every open).
+        return _new_tuple(Stat, self.rows.item(i))
 
     def set_stat(self, i: int, st: os.stat_result | Stat) -> None:
         self.rows[i] = _row(st)  # type: ignore[arg-type]
 
 
-# Fibonacci hashing of 64-bit inode numbers.
 _GOLDEN = 0x9E3779B97F4A7C15
-_M64 = (1 << 64) - 1
 
 
 class InodeTable:
@@ -209,12 +211,15 @@ class InodeTable:
         return isinstance(ino, int) and self.get(ino) >= 0
 
     def _home(self, ino: int) -> int:
-        return ((ino * _GOLDEN) & _M64) >> (64 - self._bits)
+        # Fibonacci hashing (the top bits of ino * 2^64/phi, mod 2^64): inode numbers come
+        # in dense runs that start at multiples of a block group's size, which the low
+        # bits alone would pile onto a few slots.
+        return ((ino * _GOLDEN) >> (64 - self._bits)) & self._mask
 
     def get(self, ino: int) -> int:
         """The value of `ino`, or -1."""
         keys, mask = self._keys, self._mask
-        i = ((ino * _GOLDEN) & _M64) >> (64 - self._bits)
+        i = ((ino * _GOLDEN) >> (64 - self._bits)) & mask
         while True:
             k = keys[i]
             if k == ino:
@@ -224,13 +229,21 @@ class InodeTable:
             i = (i + 1) & mask
 
     def set(self, ino: int, val: int) -> None:
+        if self.setdefault(ino, val) >= 0:
+            keys, mask = self._keys, self._mask
+            i = self._home(ino)
+            while keys[i] != ino:
+                i = (i + 1) & mask
+            self._vals[i] = val
+
+    def setdefault(self, ino: int, val: int) -> int:
+        """Add `ino` -> `val` unless `ino` is there: -1 when added, else its value."""
         keys, mask = self._keys, self._mask
-        i = self._home(ino)
+        i = ((ino * _GOLDEN) >> (64 - self._bits)) & mask
         while True:
             k = keys[i]
             if k == ino:
-                self._vals[i] = val
-                return
+                return self._vals[i]
             if k == 0:
                 break
             i = (i + 1) & mask
@@ -239,6 +252,7 @@ class InodeTable:
         self._n += 1
         if self._n * 3 > (mask + 1) * 2:
             self._resize(self._bits + 1)
+        return -1
 
     def pop(self, ino: int) -> int:
         """Remove `ino`; its value, or -1 when it was not there."""
@@ -270,9 +284,26 @@ class InodeTable:
             i = j
 
     def _resize(self, bits: int) -> None:
-        keys, vals = self._keys, self._vals
+        keys = np.frombuffer(self._keys, dtype=np.uint64)
+        vals = np.frombuffer(self._vals, dtype=np.uint64)
+        live = keys != 0
+        keys, vals = keys[live].copy(), vals[live].copy()
         self._alloc(bits)
-        self._n = 0
-        for k, v in zip(keys, vals, strict=True):
-            if k:
-                self.set(k, v)
+        nk = np.frombuffer(self._keys, dtype=np.uint64)
+        nv = np.frombuffer(self._vals, dtype=np.uint64)
+        mask = np.uint64(self._mask)
+        pos = (keys * np.uint64(_GOLDEN)) >> np.uint64(64 - bits)  # wraps mod 2^64
+        # Linear probing, vectorised: in each round every key still waiting claims its
+        # slot if free; of several claimants the first wins, the others move on by one.
+        while len(keys):
+            free = nk[pos] == 0
+            cand = np.flatnonzero(free)
+            _, first = np.unique(pos[cand], return_index=True)
+            won = cand[first]
+            nk[pos[won]] = keys[won]
+            nv[pos[won]] = vals[won]
+            rest = np.ones(len(keys), dtype=bool)
+            rest[won] = False
+            keys, vals = keys[rest], vals[rest]
+            pos = (pos[rest] + np.uint64(1)) & mask
+        self._n = int(np.count_nonzero(nk))
