@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shadefs.fs.namespace import ROOT_INODE, Namespace
-from shadefs.fs.snapshots import InodeTable, Snapshot, scan_rows
+from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.sampling.registry import PathTable
 from shadefs.source import Source
 from tests.conftest import make_tree
@@ -158,3 +158,15 @@ async def test_stale_inode_is_estale(tmp_path: Path) -> None:
     else:
         raise AssertionError("no ESTALE")
     assert (await ops.getattr(ROOT_INODE, CTX)).st_ino == ROOT_INODE
+
+
+def test_scan_rows_keeps_fields_above_2_63(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    real = os.lstat(tmp_path)
+    fields = {f: getattr(real, f) for f in Stat._fields} | {"st_dev": real.st_dev}
+    big = SimpleNamespace(**(fields | {"st_ino": (1 << 64) - 5}))
+    names, rows, devs = scan_rows([(b"a", real), (b"b", big)])  # type: ignore[list-item]
+    assert names == [b"a", b"b"] and devs.tolist() == [real.st_dev] * 2
+    assert Stat.of(real) == Snapshot(1, b"", names, rows, devs, 0.0).stat(0)
+    assert int(rows["st_ino"][1]) == (1 << 64) - 5

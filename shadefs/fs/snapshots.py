@@ -18,6 +18,7 @@ The inode table never holds an entry without a row: the node *is* the row it poi
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 from array import array
 from typing import NamedTuple
@@ -41,6 +42,9 @@ STAT_DTYPE = np.dtype(
         ("st_blksize", "<u4"),
     ]
 )
+
+
+_FIELDS = operator.attrgetter(*(STAT_DTYPE.names or ()))
 
 
 class Stat(NamedTuple):
@@ -69,8 +73,20 @@ def scan_rows(
 ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
     """(names, rows, st_dev per row) of a sorted listing; runs in the source's thread."""
     names = [e[0] for e in entries]
-    rows = np.array([_row(e[1]) for e in entries], dtype=STAT_DTYPE)
-    devs = np.fromiter((e[1].st_dev for e in entries), dtype=np.uint64, count=len(entries))
+    n = len(entries)
+    devs = np.fromiter((e[1].st_dev for e in entries), dtype=np.uint64, count=n)
+    try:
+        # One C-level pass over the fields into an int64 matrix, then one cast per column.
+        flat = np.fromiter(
+            itertools.chain.from_iterable(map(_FIELDS, (e[1] for e in entries))),
+            dtype=np.int64,
+            count=n * len(STAT_DTYPE.names or ()),
+        ).reshape(n, -1)
+    except OverflowError:  # a field above 2^63 (an odd st_ino or st_rdev): field by field
+        return names, np.array([_row(e[1]) for e in entries], dtype=STAT_DTYPE), devs
+    rows = np.empty(n, dtype=STAT_DTYPE)
+    for k, name in enumerate(STAT_DTYPE.names or ()):
+        rows[name] = flat[:, k]
     return names, rows, devs
 
 
