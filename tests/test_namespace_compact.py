@@ -109,6 +109,14 @@ async def test_a_refreshed_listing_takes_over_unchanged_nodes(tmp_path: Path) ->
     assert ns._snaps[old.slot] is None  # nothing points into the old snapshot any more
 
 
+async def test_an_empty_directory_lists_as_empty(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"a": b"1"})
+    (src / "empty").mkdir()
+    ops, _ = make_fs(src)
+    assert await readdir_names(ops, await lookup_path(ops, "empty")) == []
+    assert scan_rows([])[1].shape == (0,)
+
+
 async def test_lookup_in_an_unlisted_directory_asks_the_source(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"d/a": b"x", "d/b": b"yy"})
     ops, svc = make_fs(src)

@@ -45,6 +45,7 @@ STAT_DTYPE = np.dtype(
 
 
 _FIELDS = operator.attrgetter(*(STAT_DTYPE.names or ()))
+_NFIELDS = len(STAT_DTYPE.names or ())
 
 
 class Stat(NamedTuple):
@@ -80,8 +81,8 @@ def scan_rows(
         flat = np.fromiter(
             itertools.chain.from_iterable(map(_FIELDS, (e[1] for e in entries))),
             dtype=np.int64,
-            count=n * len(STAT_DTYPE.names or ()),
-        ).reshape(n, -1)
+            count=n * _NFIELDS,
+        ).reshape(n, _NFIELDS)
     except OverflowError:  # a field above 2^63 (an odd st_ino or st_rdev): field by field
         return names, np.array([_row(e[1]) for e in entries], dtype=STAT_DTYPE), devs
     rows = np.empty(n, dtype=STAT_DTYPE)
