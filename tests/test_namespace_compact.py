@@ -73,7 +73,7 @@ async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
     ns = svc.namespace
     d = await lookup_path(ops, "d")
     await readdir_names(ops, d)
-    assert len(ns.nodes) == 52
+    assert len(ns.table) == 52
     snap = ns._snaps[ns.listings[d]]
     assert snap is not None and snap.refs == 50
     ino = ns.ino_of((src / "d" / "f7").lstat())
@@ -82,7 +82,7 @@ async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
     assert snap.refs == 0 and ns.listings[d] == snap.slot  # still d's listing
     await ops.forget([(d, 1)])
     assert d not in ns.listings and ns._snaps[snap.slot] is None
-    assert len(ns.nodes) == 1
+    assert len(ns.table) == 1
 
 
 async def test_a_refreshed_listing_takes_over_unchanged_nodes(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ async def test_lookup_in_an_unlisted_directory_asks_the_source(tmp_path: Path) -
     assert ns.node(b) == (b"d/b", ns.stat(b), 1, ns.node(b).checked)
     assert (await ops.getattr(b, CTX)).st_size == 2
     await ops.forget([(b, 1)])
-    assert b not in ns.nodes
+    assert b not in ns.table
 
 
 async def test_resolve_answers_arrays_and_marks_the_missing(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ async def test_resolve_answers_arrays_and_marks_the_missing(tmp_path: Path) -> N
     assert stat.S_ISLNK(int(found.mode[3]))
     assert [bool(m) for m in found.mode.tolist()] == [1, 1, 0, 1, 0, 0, 1, 0]
     assert found.ino[0] == ns.ino_of((src / "c" / "bb").lstat())
-    assert len(ns.nodes) == 1  # nothing kept
+    assert len(ns.table) == 1  # nothing kept
 
 
 def test_path_table_round_trips() -> None:
@@ -178,3 +178,26 @@ def test_scan_rows_keeps_fields_above_2_63(tmp_path: Path) -> None:
     assert names == [b"a", b"b"] and devs.tolist() == [real.st_dev] * 2
     assert Stat.of(real) == Snapshot(1, b"", names, rows, devs, 0.0).stat(0)
     assert int(rows["st_ino"][1]) == (1 << 64) - 5
+
+
+async def test_a_reopened_file_sees_its_change_and_its_forget(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"d/f": b"1"})
+    ops, svc = make_fs(src, revalidate=0.3)
+    ns = svc.namespace
+    ino = await lookup_path(ops, "d/f")
+    for _ in range(2):  # the second open comes from the kept record
+        await ops.release((await ops.open(ino, os.O_RDONLY, CTX)).fh)
+    assert ns.opening(ino)[0].st_size == 1
+    (src / "d" / "f").write_bytes(b"changed")
+    time.sleep(0.4)
+    fh = (await ops.open(ino, os.O_RDONLY, CTX)).fh
+    assert await ops.read(fh, 0, 100) == b"changed"
+    await ops.release(fh)
+    assert ns.opening(ino)[0].st_size == 7 and ns.stat(ino).st_size == 7
+    await ops.forget([(ino, 1)])
+    try:
+        ns.opening(ino)
+    except pyfuse3.FUSEError as exc:
+        assert exc.errno == 116  # ESTALE: the record went with the inode
+    else:
+        raise AssertionError("a forgotten inode still opens")

@@ -13,11 +13,10 @@ back to the source. A name looked up in a directory that is not listed is asked 
 source alone and kept as a one-row snapshot. Snapshots live as long as the kernel
 references their directory or an entry in them.
 
-Per-file state is compact (snapshots.py): a known inode is a row of its parent's snapshot,
-found through the inode table, and its path is the snapshot's directory path plus the row's
-name. A snapshot that was refreshed stays alive while inodes still point into it; each moves
-to the new snapshot when the kernel is told about it again (readdirplus, lookup) and its
-signature did not change there, so a changed file is still found by `fresh_stat`.
+Per-file state is compact (snapshots.py): a known inode is a row of a snapshot, found through
+the inode table; its path is the snapshot's directory path plus the row's name. A refreshed
+snapshot lives while inodes point into it; each moves to the new one when the kernel hears of
+it again (readdirplus, lookup) unchanged, so a changed file is still found by `fresh_stat`.
 
 Revalidation: after `revalidate` seconds a snapshot is refreshed when it is next used, and a
 file's signature is checked again when it is next opened (`fresh_stat`). When the source is
@@ -61,6 +60,7 @@ _MAX_INO = (1 << 64) - 1
 # is now a symlink, which the source refuses to follow).
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _ROW = 0xFFFFFFFF
+_OPENED_KEPT = 4096
 
 
 class Namespace:
@@ -86,17 +86,16 @@ class Namespace:
         root.refs = 1
         self._snaps: list[Snapshot | None] = [root]
         self._free: list[int] = []
+        #: the inodes the kernel references (len() and `in` work)
         self.table = InodeTable()
         self.table.set(ROOT_INODE, 0)
         #: directory inode -> the slot of its current snapshot
         self.listings: dict[int, int] = {}
         self._foreign: dict[tuple[int, int], int] = {}
         self._listing_flights: dict[int, trio.Event] = {}
-
-    @property
-    def nodes(self) -> InodeTable:
-        """The inodes the kernel references (supports len() and `in`)."""
-        return self.table
+        # Records of the files opened last (oldest dropped first): a hot file's reopen skips
+        # rebuilding them. Dropped when the row or stat changes (_move, forget, fresh_stat).
+        self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
 
     def describe(self) -> NamespaceStats:
         return NamespaceStats(
@@ -135,13 +134,9 @@ class Namespace:
 
     def _inos(self, rows: np.ndarray, devs: np.ndarray) -> np.ndarray:
         """ino_of for a whole listing: vectorised, foreign entries one by one."""
-        src = rows["st_ino"]
-        out = src + np.uint64(INO_OFFSET)
-        local = devs == np.uint64(self.dev)
-        out[local & (src == np.uint64(self.root_ino))] = ROOT_INODE
-        odd = ~local | (out >= np.uint64(_FOREIGN_BASE))
-        for j in np.flatnonzero(odd).tolist():
-            out[j] = self._foreign_ino(int(devs[j]), int(src[j]))
+        out, odd = records.local_inos(rows, devs, self.dev, self.root_ino, INO_OFFSET)
+        for j in np.flatnonzero(odd | (out >= np.uint64(_FOREIGN_BASE))).tolist():
+            out[j] = self._foreign_ino(int(devs[j]), int(rows["st_ino"][j]))
         return out
 
     # --- the table ----------------------------------------------------------------------
@@ -161,15 +156,19 @@ class Namespace:
         return Node(snap.child_path(i), snap.stat(i), int(snap.lookups[i]), snap.checked[i])
 
     def opening(self, ino: int) -> tuple[Stat, bytes, float]:
-        """(stat, path, time of the last signature check) of a file being opened; ESTALE
-        for an inode the kernel does not reference. One call: it is on every open."""
-        val = self.table.get(ino)
-        if val < 0:
-            raise pyfuse3.FUSEError(errno.ESTALE)
-        snap = self._snaps[val >> 32]
-        assert snap is not None
-        i = val & _ROW
-        return snap.stat(i), snap.child_path(i), snap.checked.item(i)
+        """(stat, path, time of the last signature check) of a file being opened."""
+        rec = self._opened.get(ino)
+        if rec is None:
+            val = self.table.get(ino)
+            if val < 0:
+                raise pyfuse3.FUSEError(errno.ESTALE)
+            snap = self._snaps[val >> 32]
+            assert snap is not None
+            i = val & _ROW
+            rec = self._opened[ino] = (snap.stat(i), snap.child_path(i), snap, i)
+            if len(self._opened) > _OPENED_KEPT:
+                del self._opened[next(iter(self._opened))]
+        return rec[0], rec[1], rec[2].checked.item(rec[3])
 
     def path(self, ino: int) -> bytes:
         snap, i = self.locate(ino)
@@ -229,11 +228,8 @@ class Namespace:
             self._move(ino, old, oi, snap, i, float(old.checked[oi]))
 
     def remember_rows(self, snap: Snapshot, lo: int, hi: int) -> None:
-        """`remember` rows lo..hi-1 of `snap` (the entries readdirplus handed out).
-
-        A row with a nonzero lookup count is its inode's node (nothing else counts), so
-        those are counted in one step; new inodes are added with one table probe each.
-        """
+        """`remember` rows lo..hi-1 of `snap` (what readdirplus handed out). A row with a
+        nonzero lookup count is its inode's node, so those count up in one step."""
         if lo >= hi:
             return
         seg = snap.lookups[lo:hi]
@@ -255,6 +251,7 @@ class Namespace:
             snap.refs += len(added)
 
     def _move(self, ino: int, old: Snapshot, oi: int, new: Snapshot, i: int, t: float) -> None:
+        self._opened.pop(ino, None)
         new.lookups[i] = old.lookups[oi]
         new.checked[i] = t
         old.lookups[oi] = 0
@@ -277,6 +274,7 @@ class Namespace:
                 continue
             snap.lookups[i] = 0
             table.pop(ino)
+            self._opened.pop(ino, None)
             self._drop_listing(ino)
             self._release(snap)
 
@@ -395,6 +393,7 @@ class Namespace:
             snap.checked[i] = now
             if changed:
                 snap.set_stat(i, st)
+                self._opened.pop(ino, None)
         if not changed:
             return old, False
         self.changed_files += 1

@@ -96,6 +96,17 @@ class Resolved(NamedTuple):
         self.mode[dst] = rows["st_mode"][src]
 
 
+def local_inos(
+    rows: np.ndarray, devs: np.ndarray, dev: int, root_ino: int, offset: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(FUSE inode of each row on the root's device, mask of rows on other devices)."""
+    src = rows["st_ino"]
+    out = src + np.uint64(offset)
+    local = devs == np.uint64(dev)
+    out[local & (src == np.uint64(root_ino))] = pyfuse3.ROOT_INODE
+    return out, ~local
+
+
 def by_parent(
     paths: Sequence[bytes],
 ) -> tuple[list[tuple[bytes, bytes, bytes]], dict[bytes, list[int]]]:
