@@ -93,7 +93,7 @@ class Namespace:
         self.listings: dict[int, int] = {}
         self._foreign: dict[tuple[int, int], int] = {}
         self._listing_flights: dict[int, trio.Event] = {}
-        # Records of the files opened last (oldest dropped first): a hot file's reopen skips
+        # Records of the files opened last (at most _OPENED_KEPT): a hot file's reopen skips
         # rebuilding them. Dropped when the row or stat changes (_move, forget, fresh_stat).
         self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
 
@@ -165,9 +165,11 @@ class Namespace:
             snap = self._snaps[val >> 32]
             assert snap is not None
             i = val & _ROW
+            if len(self._opened) >= _OPENED_KEPT:
+                # Start afresh rather than drop the oldest: popping a dict's first entries
+                # one by one makes finding the next first entry ever slower.
+                self._opened.clear()
             rec = self._opened[ino] = (snap.stat(i), snap.child_path(i), snap, i)
-            if len(self._opened) > _OPENED_KEPT:
-                del self._opened[next(iter(self._opened))]
         return rec[0], rec[1], rec[2].checked.item(rec[3])
 
     def path(self, ino: int) -> bytes:
