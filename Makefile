@@ -41,7 +41,7 @@ test: setup
 # LONG=1` adds those that take many minutes: bench_ssd_hits and bench_restore (both need
 # root, and bench_restore builds a million SSD entries) and bench_e2e (torch training).
 BENCH_QUICK := bench_epochs bench_hits bench_pads bench_handlers bench_jobs
-BENCH_LONG  := bench_ssd_hits bench_e2e bench_restore bench_jobs_e2e
+BENCH_LONG  := bench_ssd_hits bench_e2e bench_restore bench_jobs_e2e bench_namespace
 
 bench: setup
 	@for b in $(BENCH_QUICK) $(if $(LONG),$(BENCH_LONG)); do \

@@ -156,26 +156,22 @@ class Service:
     def plan_names(self) -> list[str]:
         return list(self.prefetcher.plans) if self.prefetcher is not None else []
 
-    async def resolve_files(self, rels: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        stats = await self.namespace.resolve(rels)
-        keys = np.empty(len(rels), dtype=np.uint64)
-        sizes = np.empty(len(rels), dtype=np.int64)
-        for i, st in enumerate(stats):
-            if st is None or not stat.S_ISREG(st.st_mode):
-                raise Rejected(f"{os.fsdecode(rels[i])!r} is not a regular file in the mount")
-            keys[i] = self.namespace.ino_of(st)
-            sizes[i] = st.st_size
-        return keys, sizes
+    async def resolve_files(self, rels: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        found = await self.namespace.resolve(rels)
+        bad = np.flatnonzero(found.mode & stat.S_IFMT(0o177777) != stat.S_IFREG)
+        if len(bad):
+            rel = rels[int(bad[0])]
+            raise Rejected(f"{os.fsdecode(rel)!r} is not a regular file in the mount")
+        return found.ino, found.size
 
     async def residency(self, rels: list[bytes]) -> list[str]:
-        out = []
-        for st in await self.namespace.resolve(rels):
-            if st is None or not stat.S_ISREG(st.st_mode):
-                out.append("missing")
-            else:
-                # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
-                out.append(RESIDENCY_STATES[self.cache.tier_of(self.namespace.ino_of(st))])
-        return out
+        found = await self.namespace.resolve(rels)
+        regular = (found.mode & stat.S_IFMT(0o177777)) == stat.S_IFREG
+        # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
+        return [
+            RESIDENCY_STATES[self.cache.tier_of(key)] if ok else "missing"
+            for key, ok in zip(found.ino.tolist(), regular.tolist(), strict=True)
+        ]
 
     # --- ControlService: ctl commands -----------------------------------------------------
 
@@ -250,10 +246,7 @@ class Service:
 
     async def register_dataset(self, paths: list[str]) -> None:
         with _refusing():
-            await self.sampling.register(paths, self._resolve_dataset)
-
-    async def _resolve_dataset(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        return await self.resolve_files([os.fsencode(p) for p in paths])
+            await self.sampling.register(paths, self.resolve_files)
 
     def dataset_info(self) -> DatasetInfo:
         s = self.sampling
@@ -281,8 +274,7 @@ class Service:
                 plan.readers = members
                 return share
             self._plan_epochs[name] = request.epoch
-            paths = [os.fsencode(s.paths[i]) for i in share.tolist()]
-            plan = Plan(name, s.keys[share], paths, s.sizes[share])
+            plan = Plan(name, s.keys[share], s.paths.take(share), s.sizes[share])
             plan.readers = members
             self.prefetcher.add_plan(plan)
         return share

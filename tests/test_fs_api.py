@@ -71,7 +71,7 @@ async def test_lookup_getattr_read_and_stable_inodes(tmp_path: Path) -> None:
     assert await read_all(ops, ino) == (src / "a/b/c.bin").read_bytes()
     # Forgotten and looked up again: the same inode number.
     await ops.forget([(ino, 1)])
-    assert ino not in svc.namespace.nodes
+    assert ino not in svc.namespace.table
     assert await lookup_path(ops, "a/b/c.bin") == ino
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.lookup(ROOT_INODE, b"missing", CTX)
@@ -85,9 +85,9 @@ async def test_forget_bounds_the_table(tmp_path: Path) -> None:
     names = await readdir_names(ops, d)
     assert len(names) == 200
     ns = svc.namespace
-    assert len(ns.nodes) == 202  # root, d, 200 files counted by readdirplus
+    assert len(ns.table) == 202  # root, d, 200 files counted by readdirplus
     await ops.forget([(ns.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
-    assert len(ns.nodes) == 2
+    assert len(ns.table) == 2
 
 
 async def test_control_dir_hidden_but_reachable(tmp_path: Path) -> None:

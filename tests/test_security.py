@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyfuse3
 import pytest
 
@@ -285,23 +286,33 @@ async def test_the_operators_own_source_path_may_be_a_symlink(tree: tuple[Path, 
     assert await read_all(ops, await lookup_path(ops, "c2/a.txt")) == LEGIT
 
 
-def test_a_reused_inode_number_of_another_type_replaces_the_node(tmp_path: Path) -> None:
-    from shadefs.fs.namespace import Namespace
+async def test_a_reused_inode_number_of_another_type_replaces_the_node(tmp_path: Path) -> None:
+    from shadefs.fs.namespace import ROOT_INODE, Namespace
 
     (tmp_path / "dir").mkdir()
-    ns = Namespace(Source(os.fsencode(tmp_path)))
+    (tmp_path / "dir" / "f").write_bytes(b"x")
+    ns = Namespace(Source(os.fsencode(tmp_path)), revalidate=0.0)
     st_dir = os.lstat(tmp_path / "dir")
-    ino = ns.ino_of(st_dir)
-    ns.remember(ino, b"dir", st_dir)
+    ino, _ = await ns.lookup(ROOT_INODE, b"dir")
+    await ns.listing(ino)
+    assert ino in ns.listings
     # The directory was removed and its inode number reused by a symlink of the same name.
+    (tmp_path / "dir" / "f").unlink()
     (tmp_path / "dir").rmdir()
     (tmp_path / "dir").symlink_to("/")
-    link = list(os.lstat(tmp_path / "dir"))
-    link[stat.ST_INO] = st_dir.st_ino
-    st_link = os.stat_result(link)
-    ns.remember(ino, b"dir", st_link)
+    scan = ns._scan
+
+    def reused(path: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        names, rows, devs = scan(path)
+        rows["st_ino"][names.index(b"dir")] = st_dir.st_ino
+        return names, rows, devs
+
+    ns._scan = reused  # type: ignore[method-assign]
+    await ns.listing(ROOT_INODE)  # refreshed (revalidate 0): "dir" is now the symlink
+    assert await ns.lookup(ROOT_INODE, b"dir") == (ino, ns.stat(ino))
     assert stat.S_ISLNK(ns.node(ino).st.st_mode)  # readlink answers; nothing lists "dir"
     assert ns.node(ino).lookups == 2
+    assert ino not in ns.listings
 
 
 # --- through a real mount -----------------------------------------------------------------

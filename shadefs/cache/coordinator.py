@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Set
 
@@ -36,7 +35,7 @@ import trio
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
-from shadefs.cache.ssd_format import Signature
+from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.sampling.jobs import JobTable
@@ -168,7 +167,7 @@ class Cache:
 
     # --- the data path ----------------------------------------------------------------
 
-    async def open(self, key: int, path: bytes, st: os.stat_result, pid: int = 0) -> bytes | None:
+    async def open(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> bytes | None:
         """The file's bytes for a new handle, or None when it must be read through; `pid`
         is the reading thread (its job is looked up in `jobs`)."""
         sig = Signature.of(st)

@@ -42,7 +42,7 @@ import enum
 import os
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import xxhash
 
@@ -79,6 +79,20 @@ BLOCK = 4096  # the allocation unit we charge for, as du does on ext4/xfs
 MAX_RELPATH = 0xFFFF
 
 
+class StatLike(Protocol):
+    """What a signature (and the cache's open) reads of a stat: os.stat_result, or the
+    namespace's compact record."""
+
+    @property
+    def st_size(self) -> int: ...
+    @property
+    def st_mtime_ns(self) -> int: ...
+    @property
+    def st_ctime_ns(self) -> int: ...
+    @property
+    def st_ino(self) -> int: ...
+
+
 class Signature(NamedTuple):
     """The source file's identity when it was cached; any change makes the entry stale.
 
@@ -94,7 +108,7 @@ class Signature(NamedTuple):
     ino: int
 
     @classmethod
-    def of(cls, st: os.stat_result) -> Signature:
+    def of(cls, st: StatLike) -> Signature:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 

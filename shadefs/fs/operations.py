@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 OpsT = TypeVar("OpsT")
 
+# Directory rows converted to Python values per step of readdir.
+_READDIR_CHUNK = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -123,13 +125,13 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
             return self.control.attrs(inode)
-        return self.ns.attrs(inode, self.ns.node(inode).st)
+        return self.ns.attrs(inode, self.ns.stat(inode))
 
     async def readlink(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> bytes:
-        node = self.ns.node(inode)
-        if not stat.S_ISLNK(node.st.st_mode):
+        snap, i = self.ns.locate(inode)
+        if not stat.S_ISLNK(snap.stat(i).st_mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
-        return await self.source.readlink(node.path)
+        return await self.source.readlink(snap.child_path(i))
 
     async def opendir(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> FileHandleT:
         if inode == DIR_INODE:
@@ -146,25 +148,30 @@ class Operations(pyfuse3.Operations):
                     break
             return
         listing = await self.ns.listing(fh)
-        node = self.ns.node(fh)
-        ppath = node.path
         # "." and ".." come first. The kernel takes no reference for them, so they are not
         # counted as lookups; ".." carries the directory's own attributes (the parent is
         # not tracked), which only `ls -ai` would notice.
         if start_id < 2:
-            dot = self.ns.attrs(fh, node.st)
+            dot = self.ns.attrs(fh, self.ns.stat(fh))
             for i, name in ((0, b"."), (1, b"..")):
                 if i >= start_id and not pyfuse3.readdir_reply(token, name, dot, i + 1):
                     return
             start_id = 2
-        ino_of, attrs, remember = self.ns.ino_of, self.ns.attrs, self.ns.remember
-        for i in range(start_id - 2, len(listing.names)):
-            name, st = listing.names[i], listing.stats[i]
-            ino = ino_of(st)
-            if not pyfuse3.readdir_reply(token, name, attrs(ino, st), i + 3):
-                break
-            # An accepted readdirplus entry is a lookup: the kernel will forget it later.
-            remember(ino, ppath + b"/" + name if ppath else name, st)
+        attrs_of_row, remember_rows = self.ns.attrs_of_row, self.ns.remember_rows
+        names, offs, n = listing.names, listing.offs, len(listing)
+        # Rows are converted a chunk at a time: the kernel's buffer takes a few dozen.
+        for lo in range(start_id - 2, n, _READDIR_CHUNK):
+            hi = min(lo + _READDIR_CHUNK, n)
+            rows = listing.rows[lo:hi].tolist()
+            inos = listing.ino[lo:hi].tolist()
+            for k in range(hi - lo):
+                i = lo + k
+                name = names[offs[i] : offs[i + 1]]
+                if not pyfuse3.readdir_reply(token, name, attrs_of_row(inos[k], rows[k]), i + 3):
+                    # Accepted readdirplus entries are lookups: the kernel will forget them.
+                    remember_rows(listing, lo, i)
+                    return
+            remember_rows(listing, lo, hi)
 
     async def releasedir(self, fh: FileHandleT) -> None:
         pass
@@ -189,12 +196,12 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if Control.owns(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
-        return await self.source.getxattr(self.ns.node(inode).path, name)
+        return await self.source.getxattr(self.ns.path(inode), name)
 
     async def listxattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if Control.owns(inode):
             return []
-        return await self.source.listxattr(self.ns.node(inode).path)
+        return await self.source.listxattr(self.ns.path(inode))
 
     # --- data -------------------------------------------------------------------------
 
@@ -205,15 +212,15 @@ class Operations(pyfuse3.Operations):
             return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
             raise _erofs()
-        node = self.ns.node(inode)
-        if not stat.S_ISREG(node.st.st_mode):
-            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(node.st.st_mode) else errno.EIO)
-        st, changed = node.st, False
-        if time.monotonic() - node.checked >= self.ns.revalidate:
+        st, path, checked = self.ns.opening(inode)
+        changed = False
+        if not stat.S_ISREG(st.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
+        if time.monotonic() - checked >= self.ns.revalidate:
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
-        data = await self.cache.open(inode, node.path, st, ctx.pid)
+        data = await self.cache.open(inode, path, st, ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
         if data is not None:
@@ -223,7 +230,7 @@ class Operations(pyfuse3.Operations):
             # page-cache invalidation of a changed file, with no reverse call that could
             # deadlock against a read in flight (reference/fuse-anchors.md §2).
             return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
-        self._fds[fh] = await self.source.open_fd(node.path)
+        self._fds[fh] = await self.source.open_fd(path)
         # Pass-through files are not resident: do not let the kernel keep stale pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 

@@ -4,8 +4,9 @@ The torch sampler registers its file list once (its index order defines the samp
 reports per-sample losses, and asks for each epoch's order. This module owns:
 
 - the sample id <-> cache key mapping (cache keys are inode numbers): a numpy array of the
-  key of every sample, plus a sorted copy for key -> sample id lookups by binary search, so
-  per-sample state stays in compact arrays even at 14 M samples;
+  key of every sample, plus a sorted copy for key -> sample id lookups by binary search, and
+  the paths in one bytes buffer with an offset array (`PathTable`), so per-sample state
+  stays in compact arrays even at 14 M samples;
 - the importance table (importance.py) and the replay factor (pads.ReplayController, or a
   fixed r);
 - the epoch order (pads.py), built once per (epoch, seed, world size) and then sliced for
@@ -25,7 +26,8 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -43,11 +45,66 @@ class SamplingError(ValueError):
     """Input the sampler channel rejects (EINVAL); the message says why."""
 
 
+class PathTable(Sequence[bytes]):
+    """Relative paths in one bytes buffer (newline-separated) plus an array of their starts:
+    no object per path.
+
+    Indexing builds the one path asked for; `take(ids)` is a view of some of them in another
+    order (what a prefetch plan reads), sharing the buffer.
+    """
+
+    __slots__ = ("_buf", "_starts", "_ids")
+
+    def __init__(self, buf: bytes, starts: np.ndarray, ids: np.ndarray | None = None) -> None:
+        self._buf = buf
+        self._starts = starts  # n + 1 entries: path i is buf[starts[i] : starts[i + 1] - 1]
+        self._ids = ids
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> PathTable:
+        # One join and one scan for the separators: no per-path work in Python.
+        buf = "\n".join(paths).encode("utf-8", "surrogateescape") + b"\n" if paths else b""
+        nl = np.flatnonzero(np.frombuffer(buf, dtype=np.uint8) == 10)
+        starts = np.zeros(len(nl) + 1, dtype=np.int64)
+        starts[1:] = nl + 1
+        return cls(buf, starts)
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1 if self._ids is None else len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._ids is not None:
+            i = int(self._ids[i])
+        elif i < 0:
+            i += len(self)
+        if not 0 <= i < len(self._starts) - 1:
+            raise IndexError(i)
+        return self._buf[int(self._starts[i]) : int(self._starts[i + 1]) - 1]
+
+    def all(self) -> list[bytes]:
+        """Every path, as a transient list (one C-level split)."""
+        assert self._ids is None
+        return self._buf.split(b"\n")[:-1] if self._buf else []
+
+    def take(self, ids: np.ndarray) -> PathTable:
+        assert self._ids is None
+        return PathTable(self._buf, self._starts, ids)
+
+    def same(self, other: PathTable) -> bool:
+        return self._buf == other._buf
+
+
 class Sampling:
     """The registered dataset, its importance table, and the epoch orders handed out."""
 
     def __init__(self) -> None:
-        self.paths: list[str] = []
+        self.paths = PathTable(b"", np.zeros(1, dtype=np.int64))
         self.keys = np.zeros(0, dtype=np.uint64)
         self.sizes = np.zeros(0, dtype=np.int64)
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
@@ -65,22 +122,23 @@ class Sampling:
 
     @property
     def n(self) -> int:
-        return len(self.paths)
+        return len(self.keys)
 
     # --- registration -----------------------------------------------------------------
 
     async def register(
         self,
-        paths: list[str],
-        resolve: Callable[[list[str]], Awaitable[tuple[np.ndarray, np.ndarray]]],
+        paths: Sequence[str],
+        resolve: Callable[[list[bytes]], Awaitable[tuple[np.ndarray, np.ndarray]]],
     ) -> None:
         """Adopt `paths` as the dataset; `resolve` maps them to (cache keys, sizes) or raises."""
-        if paths == self.paths:
+        table = PathTable.of(paths)
+        if self.n and table.same(self.paths):
             log.info("dataset re-registered unchanged (%d samples): keeping the table", self.n)
             return
-        keys, sizes = await resolve(paths)
+        keys, sizes = await resolve(table.all())
         order = np.argsort(keys, kind="stable")
-        self.paths = paths
+        self.paths = table
         self.keys = keys
         self.sizes = sizes
         self._sorted_keys = keys[order]
