@@ -136,8 +136,17 @@ POLICY = Option(
 )
 MAX_ENTRY = Option[int | None](
     name="max_entry", default=None, parse=parse_size, metavar="SIZE",
-    help="files larger than this are read through, not cached", shown="min(RAM/8, 256M)",
-    meaning="larger files are read through (pass-through), never cached",
+    help="the largest file cached whole", shown="min(RAM/8, 256M)",
+    meaning="the largest file cached whole; larger ones are cached in blocks (`--block-size`)",
+)
+BLOCK_SIZE = Option(
+    name="block_size", default=8 << 20, parse=parse_size, metavar="SIZE", shown="8M",
+    help="block size of files above --max-entry", meaning="block size of files cached in blocks",
+)
+PASSTHROUGH_ABOVE = Option[int | None](
+    name="passthrough_above", default=None, parse=parse_size, metavar="SIZE",
+    help="files larger than this are read through", shown="RAM + SSD budget",
+    meaning="files larger than this are read through, never cached (`--max-entry`: no blocks)",
 )
 HANDLE_LIMIT = Option[int | None](
     name="handle_limit", default=None, parse=parse_size, metavar="SIZE",
@@ -217,7 +226,8 @@ SYSTEMD = Option(
 )
 
 OPTIONS: tuple[Option[Any], ...] = (
-    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, HANDLE_LIMIT, SOURCE_TIMEOUT, SOURCE_THREADS,
+    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, BLOCK_SIZE, PASSTHROUGH_ABOVE, HANDLE_LIMIT,
+    SOURCE_TIMEOUT, SOURCE_THREADS,
     REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
@@ -234,6 +244,8 @@ class MountOptions:
     ram: int  # RAM's default depends on the machine: default_ram()
     policy: str = POLICY.default
     max_entry: int | None = MAX_ENTRY.default
+    block_size: int = BLOCK_SIZE.default
+    passthrough_above: int | None = PASSTHROUGH_ABOVE.default
     handle_limit: int | None = HANDLE_LIMIT.default
     allow_other: bool = ALLOW_OTHER.default
     foreground: bool = FOREGROUND.default

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
@@ -82,9 +83,18 @@ class Service:
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
         )
+        # Read-ahead inside large files shares the prefetch window's size.
+        window = prefetch.window if prefetch is not None else 0
+        self.blocks = Blocks(
+            self.cache,
+            self.source,
+            block_size=max(opts.block_size, 4096),
+            window=window,
+            passthrough_above=opts.passthrough_above,
+        )
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
-            self.namespace, self.cache, self.control, self.metrics, self.source
+            self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
         )
 
     @staticmethod
@@ -111,6 +121,8 @@ class Service:
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
         self.cache.start(nursery)
+        if self.prefetcher is not None:
+            self.blocks.start(nursery)
 
     def close(self) -> None:
         """Release the SSD cache directory; call after the request loop has ended."""
@@ -126,6 +138,7 @@ class Service:
             cache=self.cache,
             sampling=self.sampling,
             prefetcher=self.prefetcher,
+            blocks=self.blocks,
         )
 
     # --- ControlService: what can be asked for -------------------------------------------

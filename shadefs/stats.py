@@ -181,6 +181,22 @@ class CacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockStats:
+    """Large files cached in blocks. JSON: `blocks`."""
+
+    block_size: int
+    threshold: int  # files above this are cached in blocks (the largest cached whole)
+    passthrough_above: int  # files above this are read through
+    opens: int
+    hits: int  # block reads served from RAM
+    ssd_loads: int  # blocks loaded from the SSD tier
+    source_loads: int  # blocks loaded from the source
+    read_ahead: int  # blocks whose load read-ahead started
+    ahead_bytes: int  # read-ahead bytes in flight or staged now
+    revalidated: int  # files whose blocks were dropped because the file changed
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchStats:
     """The prefetcher. JSON: `prefetch`."""
 
@@ -270,6 +286,7 @@ class Stats:
     cache: CacheStats
     sampler: SamplerStats
     prefetch: PrefetchStats | None = None
+    blocks: BlockStats | None = None
 
     @property
     def opens(self) -> int:
@@ -326,6 +343,8 @@ class Stats:
             out["restore"] = _dump(ssd.restore)
         if self.prefetch is not None:
             out["prefetch"] = self.prefetch.to_json()
+        if self.blocks is not None:
+            out["blocks"] = _dump(self.blocks)
         return out
 
     @classmethod
@@ -362,6 +381,7 @@ class Stats:
             cache=cache,
             sampler=SamplerStats.from_json(d["sampler"]),
             prefetch=PrefetchStats.from_json(d["prefetch"]) if "prefetch" in d else None,
+            blocks=_load(BlockStats, d["blocks"]) if "blocks" in d else None,
         )
 
 
@@ -405,6 +425,7 @@ def snapshot(
     cache: Part[CacheStats],
     sampling: Part[SamplerStats],
     prefetcher: Part[PrefetchStats] | None = None,
+    blocks: Part[BlockStats] | None = None,
 ) -> Stats:
     """The stats of the daemon now, from each part's `describe()`."""
     return Stats(
@@ -418,4 +439,5 @@ def snapshot(
         cache=cache.describe(),
         sampler=sampling.describe(),
         prefetch=prefetcher.describe() if prefetcher is not None else None,
+        blocks=blocks.describe() if blocks is not None else None,
     )

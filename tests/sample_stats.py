@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from shadefs.stats import (
+    BlockStats,
     CacheStats,
     Counters,
     HandleStats,
@@ -117,13 +118,25 @@ def full(**top: Any) -> Stats:
             plans_done=3,
             plans_abandoned=1,
         ),
+        blocks=BlockStats(
+            block_size=8 << 20,
+            threshold=1 << 20,
+            passthrough_above=1 << 30,
+            opens=3,
+            hits=40,
+            ssd_loads=2,
+            source_loads=5,
+            read_ahead=4,
+            ahead_bytes=0,
+            revalidated=1,
+        ),
     )
     return replace(s, **top)
 
 
 def minimal() -> Stats:
     """A plain mount before any sampler: no SSD tier, no prefetcher, an LRU policy."""
-    s = full(prefetch=None)
+    s = full(prefetch=None, blocks=None)
     sampler = SamplerStats(0, 0, 1.0, "auto", 0, 0, 0, {}, None)
     policy = PolicyState(name="lru", entries=3)
     return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler)

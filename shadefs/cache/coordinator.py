@@ -5,8 +5,10 @@ fetches misses whole from the source (one fetch per file at a time, however many
 open it concurrently), and asks the policy whether the fetched bytes may stay and what to
 evict for them. It never chooses victims itself.
 
-Files larger than `max_entry` are not cached: they are read through (pass-through) with
-positional reads on a source descriptor, so they read correctly whatever the budget.
+Files larger than `max_entry` are not cached whole: `fs/operations.py` hands them to
+`cache/blocks.py`, which caches them as block entries in these same tiers (`admit`,
+`remove`; block keys are negative), or reads them through (pass-through) with positional
+reads on a source descriptor when blocks are off or the file exceeds the whole budget.
 
 The cache owns its SSD tier (ssd_tier.py) and its prefetcher (prefetch.py): it builds
 both, and hands the prefetcher the two callables it needs (`fetch_ahead`, `tier_of`), so
@@ -32,6 +34,7 @@ import numpy as np
 import pyfuse3
 import trio
 
+from shadefs.cache.block_keys import file_key
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
@@ -115,6 +118,7 @@ class Cache:
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
+        self.blocks_cached = False  # set by cache/blocks.py: entries may hold block keys
         self.prefetcher: Prefetcher | None = None
         if prefetch is not None:
             self.prefetcher = Prefetcher(
@@ -269,9 +273,12 @@ class Cache:
             self.ssd.offer(key, path, data, sig)
 
     def _admit(self, key: int, data: bytes, sig: Signature) -> None:
+        if len(data) <= self.max_entry:
+            self.admit(key, data, sig)
+
+    def admit(self, key: int, data: bytes, sig: Signature) -> None:
+        """Admit `data` under `key` if the policy makes room (blocks come in here too)."""
         size = len(data)
-        if size > self.max_entry:
-            return
         if key in self.entries:
             self._remove(key)
         victims = self.policy.admit(key, size, self.capacity - self.used)
@@ -291,6 +298,10 @@ class Cache:
         self.admitted += 1
         self.policy.inserted(key, size)
         self.handles.admitted(data)
+
+    def remove(self, key: int) -> None:
+        """Drop a resident entry (a block of a file that changed)."""
+        self._remove(key)
 
     def _remove(self, key: int) -> None:
         entry = self.entries.pop(key)
@@ -322,7 +333,22 @@ class Cache:
 
     def _make_policy(self, name: str) -> Policy:
         next_use = self.prefetcher.next_use if self.prefetcher is not None else None
-        return make_policy(name, self._score_of, next_use)
+        score_of = self._score_of
+        if name == "shade" and score_of is not None:
+            # A block (negative key) ranks by its file's importance.
+            file_score = score_of
+
+            def score_of(key: int) -> float:
+                return file_score(key if key >= 0 else file_key(key))
+
+        if name == "belady" and next_use is not None:
+            # Plans name files, never blocks: a block's next use is its file's.
+            plan_next_use = next_use
+
+            def next_use(key: int) -> float:
+                return plan_next_use(key if key >= 0 else file_key(key))
+
+        return make_policy(name, score_of, next_use)
 
     def set_policy(self, name: str) -> None:
         """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
@@ -360,6 +386,9 @@ class Cache:
         keys: Set[int] = self.entries.keys()
         if self.ssd is not None:
             keys = keys | self.ssd.index.keys()
+        if self.blocks_cached:
+            # Block keys are negative and name no sample: files only.
+            keys = {k for k in keys if k >= 0}
         return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
     async def evict(self, key: int) -> bool:

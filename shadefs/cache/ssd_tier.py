@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import trio
 
+from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_format import Signature, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
@@ -85,6 +86,8 @@ class SsdTier:
         self._reserved = 0
         self._wake_evictor = trio.Event()
         self._limiter = trio.CapacityLimiter(16)
+        # The block size of block entries (cache/blocks.py sets it; 0: none are restored).
+        self.block_size = 0
 
     @property
     def capacity(self) -> int:
@@ -233,8 +236,8 @@ class SsdTier:
         while True:
             chunk = await trio.to_thread.run_sync(_next_chunk, scan)
             for relpath, size, sig in chunk:
-                key = self.key_of_ino(sig.ino)
-                if key not in self.index:
+                key = self._restored_key(relpath, sig)
+                if key is not None and key not in self.index:
                     self._index(key, relpath, size, restored=True)
                     self.restore_entries += 1
             if len(chunk) < _RESTORE_CHUNK:
@@ -248,6 +251,19 @@ class SsdTier:
             self.restore_seconds,
         )
         self._wake_evictor.set()
+
+    def _restored_key(self, relpath: bytes, sig: Signature) -> int | None:
+        """The key of a restored entry: its file's key, or the block key of a block entry
+        (None for a block written with another block size: a lookup never finds it, and
+        the scan leaves it on disk uncounted by the index)."""
+        key = self.key_of_ino(sig.ino)
+        if b"\0" not in relpath:
+            return key
+        name = parse_block_relpath(relpath)
+        bs = self.block_size
+        if name is None or not bs or name.offset % bs:
+            return None
+        return block_key(key, name.offset // bs)
 
     async def evictor(self, interval: float = 5.0) -> None:
         """Keep the tier under its high watermark and the disk above its free floor."""

@@ -29,6 +29,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
+from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
@@ -95,9 +96,17 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(
-        self, ns: Namespace, cache: Cache, control: Control, metrics: Metrics, source: Source
+        self,
+        ns: Namespace,
+        cache: Cache,
+        control: Control,
+        metrics: Metrics,
+        source: Source,
+        blocks: Blocks | None = None,
     ) -> None:
         super().__init__()
+        self.blocks = blocks
+        self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
         self.cache = cache
         self.control = control
@@ -213,6 +222,9 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
+        blocks = self.blocks
+        if blocks is not None and st.st_size > blocks.threshold and blocks.applies(st.st_size):
+            return await self._open_blocks(blocks, inode, node.path, st, changed)
         data = await self.cache.open(inode, node.path, st)
         fh = self._next_fh
         self._next_fh += 1
@@ -227,6 +239,18 @@ class Operations(pyfuse3.Operations):
         # Pass-through files are not resident: do not let the kernel keep stale pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
+    async def _open_blocks(
+        self, blocks: Blocks, inode: InodeT, path: bytes, st: os.stat_result, changed: bool
+    ) -> pyfuse3.FileInfo:
+        """A large file, cached in blocks (cache/blocks.py)."""
+        handle, resident = await blocks.open(inode, path, st)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._blk[fh] = handle
+        # Only a file whose every block is resident may keep the kernel's pages: otherwise
+        # they could outlive a change that this open has just revalidated.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=resident and not changed)
+
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
@@ -234,6 +258,9 @@ class Operations(pyfuse3.Operations):
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
             chunk = await self.source.pread(self._fds[fh], size, off)
+        elif fh in self._blk:
+            assert self.blocks is not None
+            chunk = await self.blocks.read(self._blk[fh], off, size)
         else:
             return self.control.read(fh, off, size)
         self.metrics.bytes_served += len(chunk)
@@ -247,6 +274,9 @@ class Operations(pyfuse3.Operations):
         fd = self._fds.pop(fh, None)
         if fd is not None:
             await self.source.close_fd(fd)
+        elif fh in self._blk:
+            assert self.blocks is not None
+            await self.blocks.release(self._blk.pop(fh))
         elif self.control.owns_handle(fh):
             self.control.release(fh)
 
