@@ -80,6 +80,8 @@ class BlockHandle:
         "seen",
         "ahead_to",
         "pos",
+        "cur",
+        "cur_data",
     )
 
     def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
@@ -96,6 +98,10 @@ class BlockHandle:
         self.seen = bytearray(self.nblocks)
         self.ahead_to = 0  # read-ahead has been started for blocks below this
         self.pos = -1  # the last block the reader asked for
+        # The block the reader is in: a block the policy did not admit is read by many
+        # requests (1 MiB reads of an 8 MiB block) but loaded once.
+        self.cur = -1
+        self.cur_data = b""
 
 
 class Blocks:
@@ -173,10 +179,18 @@ class Blocks:
                 break
         if not resident:
             self._read_ahead(h, 0)
-        return h, resident
+            return h, False
+        # keep_cache: the kernel may serve every read from its pages and never ask us, so
+        # the open is the shard's read as far as the policy can tell (as for whole files).
+        accessed = self.cache.policy.accessed
+        for i in range(h.nblocks):
+            h.seen[i] = 1
+            accessed(block_key(key, i), True)
+        return h, True
 
     async def release(self, h: BlockHandle) -> None:
         h.closed = True
+        h.cur_data = b""
         for data in h.staged.values():
             self.ahead_bytes -= len(data)
         h.staged.clear()
@@ -219,6 +233,13 @@ class Blocks:
         return b"".join(parts)
 
     async def _block(self, h: BlockHandle, i: int) -> bytes:
+        if h.cur == i:
+            return h.cur_data
+        data = await self._find(h, i)
+        h.cur, h.cur_data = i, data
+        return data
+
+    async def _find(self, h: BlockHandle, i: int) -> bytes:
         h.pos = i
         bkey = block_key(h.key, i)
         entry = self.cache.entries.get(bkey)
