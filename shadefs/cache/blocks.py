@@ -146,7 +146,7 @@ class Blocks:
 
     @property
     def threshold(self) -> int:
-        return self.cache.max_entry
+        return self.cache.whole_max
 
     @property
     def passthrough_above(self) -> int:

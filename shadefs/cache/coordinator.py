@@ -105,6 +105,8 @@ class Cache:
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
+        # max_entry as a plain attribute: every open compares the file's size with it.
+        self.whole_max = self.max_entry
         self._score_of = score_of
         self.entries: dict[int, Entry] = {}
         self.used = 0
@@ -323,6 +325,7 @@ class Cache:
     def set_capacity(self, capacity: int) -> None:
         """Change the budget; shrinking evicts at once, in the policy's order."""
         self.capacity = capacity
+        self.whole_max = self.max_entry
         if self.used > capacity:
             for victim in self.policy.shrink(self.used - capacity):
                 self._remove(victim)

@@ -223,7 +223,7 @@ class Operations(pyfuse3.Operations):
             if changed:
                 await _invalidate_attrs(inode)
         blocks = self.blocks
-        if blocks is not None and st.st_size > blocks.threshold and blocks.applies(st.st_size):
+        if st.st_size > self.cache.whole_max and blocks is not None and blocks.applies(st.st_size):
             return await self._open_blocks(blocks, inode, node.path, st, changed)
         data = await self.cache.open(inode, node.path, st)
         fh = self._next_fh
