@@ -214,3 +214,26 @@ def test_random_reads_of_a_partly_cached_shard_through_the_mount(tmp_path: Path,
     (src / "s.tar").write_bytes(new)
     assert path.read_bytes() == new
     assert m.stats()["blocks"]["revalidated"] == 1
+
+
+async def test_shuffled_shard_epochs_fetch_one_minus_f(tmp_path: Path) -> None:
+    """6 shards of 8 blocks, RAM for 20% of the bytes, shuffled shard order: the `epoch`
+    policy keeps the blocks it holds, so epochs 2-3 fetch about 1 - f of the bytes."""
+    rng = random.Random(10)
+    shards = {f"s{i}.tar": rng.randbytes(8 * BS) for i in range(6)}
+    total = sum(len(d) for d in shards.values())
+    src = make_tree(tmp_path / "src", shards)
+    ops, svc = make_fs(src, ram=total // 5, block_size=BS, max_entry=BS // 2)
+    fetched = []
+    for _ in range(3):
+        before = svc.source.bytes_read
+        for name in rng.sample(sorted(shards), len(shards)):
+            ino = await lookup_path(ops, name)
+            fi = await ops.open(ino, os.O_RDONLY, CTX)
+            got = b"".join([await _read(ops, fi.fh, off, 8192) for off in range(0, total, 8192)])
+            assert got == shards[name]
+            await ops.release(fi.fh)
+        fetched.append((svc.source.bytes_read - before) / total)
+    assert fetched[0] == 1.0
+    assert all(0.75 <= f <= 0.85 for f in fetched[1:]), fetched
+    assert svc.cache.used <= total // 5
