@@ -237,3 +237,24 @@ async def test_shuffled_shard_epochs_fetch_one_minus_f(tmp_path: Path) -> None:
     assert fetched[0] == 1.0
     assert all(0.75 <= f <= 0.85 for f in fetched[1:]), fetched
     assert svc.cache.used <= total // 5
+
+
+@pytest.mark.mount
+def test_blocks_of_another_block_size_are_removed_at_restore(tmp_path: Path, mounter) -> None:
+    data = random.Random(11).randbytes(1 << 20)
+    src = make_tree(tmp_path / "src", {"s.tar": data})
+    cache = tmp_path / "cache"
+    m = mounter(src, "--ram", "512K", "--block-size", "128K", "--ssd", f"{cache}:1G")
+    assert (m.mnt / "s.tar").read_bytes() == data
+    _wait_writes(m, 8)
+    m.unmount()
+    assert len(_block_entries(cache)) == 8
+    m2 = mounter(src, "--ram", "512K", "--block-size", "256K", "--ssd", f"{cache}:1G")
+    deadline = time.monotonic() + 30
+    while not m2.stats()["restore"]["done"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _block_entries(cache) == [] and m2.stats()["ssd_bytes"] == 0
+    assert (m2.mnt / "s.tar").read_bytes() == data
+    _wait_writes(m2, 4)
+    assert len(_block_entries(cache)) == 4

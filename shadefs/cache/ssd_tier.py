@@ -236,8 +236,13 @@ class SsdTier:
         while True:
             chunk = await trio.to_thread.run_sync(_next_chunk, scan)
             for relpath, size, sig in chunk:
-                key = self._restored_key(relpath, sig)
-                if key is not None and key not in self.index:
+                key = self._restored_key(relpath, size, sig)
+                if key is None:
+                    # A block of another block size: no lookup can find it, so it would
+                    # only hold room that the policy cannot free.
+                    await trio.to_thread.run_sync(self.store.remove, relpath)
+                    continue
+                if key not in self.index:
                     self._index(key, relpath, size, restored=True)
                     self.restore_entries += 1
             if len(chunk) < _RESTORE_CHUNK:
@@ -252,10 +257,9 @@ class SsdTier:
         )
         self._wake_evictor.set()
 
-    def _restored_key(self, relpath: bytes, sig: Signature) -> int | None:
+    def _restored_key(self, relpath: bytes, size: int, sig: Signature) -> int | None:
         """The key of a restored entry: its file's key, or the block key of a block entry
-        (None for a block written with another block size: a lookup never finds it, and
-        the scan leaves it on disk uncounted by the index)."""
+        (None for a block written with another block size, which no lookup can find)."""
         key = self.key_of_ino(sig.ino)
         if b"\0" not in relpath:
             return key
@@ -263,6 +267,8 @@ class SsdTier:
         bs = self.block_size
         if name is None or not bs or name.offset % bs:
             return None
+        if size != min(bs, name.file_size - name.offset):
+            return None  # aligned, but written with another block size
         return block_key(key, name.offset // bs)
 
     async def evictor(self, interval: float = 5.0) -> None:
