@@ -136,8 +136,9 @@ POLICY = Option(
 )
 MAX_ENTRY = Option[int | None](
     name="max_entry", default=None, parse=parse_size, metavar="SIZE",
-    help="the largest file cached whole", shown="min(RAM/8, 256M)",
-    meaning="the largest file cached whole; larger ones are cached in blocks (`--block-size`)",
+    help="the largest file cached whole in RAM", shown="min(RAM/8, 256M)",
+    meaning="the largest file cached whole in RAM; a file larger than every tier caches whole "
+    "(the SSD tier: min(SSD/8, 256M)) is cached in blocks (`--block-size`)",
 )
 BLOCK_SIZE = Option(
     name="block_size", default=8 << 20, parse=parse_size, metavar="SIZE", shown="8M",

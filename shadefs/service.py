@@ -194,6 +194,7 @@ class Service:
         if self.ssd is None:
             raise Rejected("no SSD tier: mount with --ssd DIR[:SIZE]")
         await self.ssd.set_capacity(size)
+        self.cache.refresh_limits()
 
     def drop_ram(self) -> int:
         return self.cache.drop()

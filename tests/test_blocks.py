@@ -158,7 +158,8 @@ def test_corrupt_ssd_block_is_refetched_and_restart_restores_blocks(
     nblocks = 13
     src = make_tree(tmp_path / "src", {"shards/s.tar": data})
     cache = tmp_path / "cache"
-    args = ("--ram", "4M", "--block-size", "256K", "--ssd", f"{cache}:1G")
+    # An SSD budget of 16M caches files up to 2M whole (an eighth): this one goes in blocks.
+    args = ("--ram", "4M", "--block-size", "256K", "--ssd", f"{cache}:16M")
     m = mounter(src, *args)
     assert (m.mnt / "shards/s.tar").read_bytes() == data
     s = _wait_writes(m, nblocks)
@@ -244,12 +245,12 @@ def test_blocks_of_another_block_size_are_removed_at_restore(tmp_path: Path, mou
     data = random.Random(11).randbytes(1 << 20)
     src = make_tree(tmp_path / "src", {"s.tar": data})
     cache = tmp_path / "cache"
-    m = mounter(src, "--ram", "512K", "--block-size", "128K", "--ssd", f"{cache}:1G")
+    m = mounter(src, "--ram", "512K", "--block-size", "128K", "--ssd", f"{cache}:4M")
     assert (m.mnt / "s.tar").read_bytes() == data
     _wait_writes(m, 8)
     m.unmount()
     assert len(_block_entries(cache)) == 8
-    m2 = mounter(src, "--ram", "512K", "--block-size", "256K", "--ssd", f"{cache}:1G")
+    m2 = mounter(src, "--ram", "512K", "--block-size", "256K", "--ssd", f"{cache}:4M")
     deadline = time.monotonic() + 30
     while not m2.stats()["restore"]["done"]:
         assert time.monotonic() < deadline

@@ -105,8 +105,7 @@ class Cache:
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
-        # max_entry as a plain attribute: every open compares the file's size with it.
-        self.whole_max = self.max_entry
+        self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
         self.entries: dict[int, Entry] = {}
         self.used = 0
@@ -136,6 +135,7 @@ class Cache:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
             self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino)
+        self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
@@ -156,6 +156,15 @@ class Cache:
         if self._max_entry is not None:
             return min(self._max_entry, self.capacity)
         return min(self.capacity // 8, 256 << 20)
+
+    def refresh_limits(self) -> None:
+        """Recompute `whole_max`, the largest file some tier caches whole (larger ones are
+        cached in blocks); after a budget changes. A plain attribute, because every open
+        compares the file's size with it."""
+        whole = self.max_entry
+        if self.ssd is not None:
+            whole = max(whole, self.ssd.max_entry)
+        self.whole_max = whole
 
     @property
     def handle_limit(self) -> int:
@@ -325,7 +334,7 @@ class Cache:
     def set_capacity(self, capacity: int) -> None:
         """Change the budget; shrinking evicts at once, in the policy's order."""
         self.capacity = capacity
-        self.whole_max = self.max_entry
+        self.refresh_limits()
         if self.used > capacity:
             for victim in self.policy.shrink(self.used - capacity):
                 self._remove(victim)
