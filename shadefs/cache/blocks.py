@@ -178,6 +178,9 @@ class Blocks:
                 resident = False
                 break
         if not resident:
+            # Opened now, like a pass-through handle: the handle reads the file it opened,
+            # whatever is renamed or swapped in at its path later.
+            h.fd = await self.source.open_fd(path)
             self._read_ahead(h, 0)
             return h, False
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
