@@ -222,9 +222,10 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
-        blocks = self.blocks
-        if st.st_size > self.cache.whole_max and blocks is not None and blocks.applies(st.st_size):
-            return await self._open_blocks(blocks, inode, node.path, st, changed)
+        if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+            blocks = self.blocks
+            if blocks is not None and blocks.applies(st.st_size):
+                return await self._open_blocks(blocks, inode, node.path, st, changed)
         data = await self.cache.open(inode, node.path, st)
         fh = self._next_fh
         self._next_fh += 1
