@@ -1,11 +1,12 @@
 """Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
 
-A file above the block threshold (`--max-entry`, the largest file cached whole) and up to
-the pass-through limit is never fetched whole. Each block of `block_size` bytes is an entry
-of its own, under a negative key (`block_keys`), in the same tiers, budgets and policies as
-whole files: the RAM tier's `Cache.entries` (admitted through `Cache.admit`, so the RAM
-budget counts blocks and the policy chooses among files and blocks alike) and the SSD tier
-(write-behind, checksums, restore: one SSD entry per block, signed by the file).
+A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
+SSD tier's largest entry) and up to the pass-through limit is never fetched whole. Each
+block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
+the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
+(admitted through `Cache.admit`, so the RAM budget counts blocks and the policy chooses
+among files and blocks alike) and the SSD tier (write-behind, checksums, restore: one SSD
+entry per block, signed by the file).
 
 Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block (no
 copy; only a read that spans two blocks joins them). A missing block is loaded once however
@@ -107,7 +108,7 @@ class BlockHandle:
 class Blocks:
     """Block entries of large files over the cache's tiers.
 
-    :threshold: files larger than this are cached in blocks (the cache's max_entry)
+    :threshold: files larger than this are cached in blocks (the cache's whole_max)
     :block_size: bytes per block (the last block of a file is shorter)
     :window: bytes that read-ahead may have in flight or staged, over all files
     """
