@@ -4,7 +4,7 @@ Each `Option` in `OPTIONS` is one mount option, `--name-with-dashes` on the comm
 `name_with_underscores=VALUE` in `-o` and fstab. From the table come the flags of `shadefs
 mount` (`add_arguments`), the parsing of `-o` (`parse_o`, `from_args`), the defaults of
 `MountOptions`, and the option table of the README (`readme_table`; a test keeps the README
-equal to it). `check_environment` fails early, in one line, on what would make a mount fail.
+equal to it).
 
 The daemon imports this module, so it stays light: no trio, numpy or pyfuse3.
 """
@@ -12,18 +12,11 @@ The daemon imports this module, so it stays light: no trio, numpy or pyfuse3.
 from __future__ import annotations
 
 import argparse
-import errno
-import os
-import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from shadefs.common import (
-    EXIT_MOUNTPOINT,
-    EXIT_NOFUSE,
-    EXIT_SOURCE,
     QuietError,
     parse_float,
     parse_int,
@@ -136,8 +129,18 @@ POLICY = Option(
 )
 MAX_ENTRY = Option[int | None](
     name="max_entry", default=None, parse=parse_size, metavar="SIZE",
-    help="files larger than this are read through, not cached", shown="min(RAM/8, 256M)",
-    meaning="larger files are read through (pass-through), never cached",
+    help="the largest file cached whole in RAM", shown="min(RAM/8, 256M)",
+    meaning="the largest file cached whole in RAM; a file larger than every tier caches whole "
+    "(the SSD tier: min(SSD/8, 256M)) is cached in blocks (`--block-size`)",
+)
+BLOCK_SIZE = Option(
+    name="block_size", default=8 << 20, parse=parse_size, metavar="SIZE", shown="8M",
+    help="block size of files above --max-entry", meaning="block size of files cached in blocks",
+)
+PASSTHROUGH_ABOVE = Option[int | None](
+    name="passthrough_above", default=None, parse=parse_size, metavar="SIZE",
+    help="files larger than this are read through", shown="RAM + SSD budget",
+    meaning="files larger than this are read through, never cached (`--max-entry`: no blocks)",
 )
 HANDLE_LIMIT = Option[int | None](
     name="handle_limit", default=None, parse=parse_size, metavar="SIZE",
@@ -223,8 +226,9 @@ SYSTEMD = Option(
 )
 
 OPTIONS: tuple[Option[Any], ...] = (
-    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, HANDLE_LIMIT, SOURCE_TIMEOUT, SOURCE_THREADS,
-    REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
+    RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, BLOCK_SIZE, PASSTHROUGH_ABOVE, HANDLE_LIMIT,
+    SOURCE_TIMEOUT, SOURCE_THREADS, REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS,
+    PREFETCH_ABANDON, JOB_IDLE, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
 # fmt: on
@@ -240,6 +244,8 @@ class MountOptions:
     ram: int  # RAM's default depends on the machine: default_ram()
     policy: str = POLICY.default
     max_entry: int | None = MAX_ENTRY.default
+    block_size: int = BLOCK_SIZE.default
+    passthrough_above: int | None = PASSTHROUGH_ABOVE.default
     handle_limit: int | None = HANDLE_LIMIT.default
     allow_other: bool = ALLOW_OTHER.default
     foreground: bool = FOREGROUND.default
@@ -390,49 +396,3 @@ def default_ram() -> int:
     except OSError:
         pass
     return 1 << 30
-
-
-def check_environment(opts: MountOptions) -> None:
-    """Fail early, with one clear line, on what would make the mount fail."""
-    src = Path(opts.source)
-    if not src.exists():
-        raise QuietError(f"source {opts.source} does not exist", EXIT_SOURCE)
-    if not src.is_dir():
-        raise QuietError(f"source {opts.source} is not a directory", EXIT_SOURCE)
-    if not os.access(src, os.R_OK | os.X_OK):
-        raise QuietError(f"source {opts.source} is not readable", EXIT_SOURCE)
-    mnt = Path(opts.mountpoint)
-    try:
-        st = mnt.stat()
-    except FileNotFoundError:
-        raise QuietError(f"mount point {opts.mountpoint} does not exist", EXIT_MOUNTPOINT) from None
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise QuietError(
-                f"mount point {opts.mountpoint} is a dead mount: run `shadefs umount "
-                f"{opts.mountpoint}` first",
-                EXIT_MOUNTPOINT,
-            ) from None
-        raise QuietError(
-            f"mount point {opts.mountpoint}: {exc.strerror}", EXIT_MOUNTPOINT
-        ) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise QuietError(f"mount point {opts.mountpoint} is not a directory", EXIT_MOUNTPOINT)
-    if os.path.ismount(mnt):
-        raise QuietError(f"{opts.mountpoint} is already a mount point", EXIT_MOUNTPOINT)
-    if os.path.realpath(src) == os.path.realpath(mnt) or str(
-        Path(os.path.realpath(mnt))
-    ).startswith(os.path.realpath(src) + "/"):
-        raise QuietError("the mount point must not be inside the source", EXIT_MOUNTPOINT)
-    if not os.path.exists("/dev/fuse"):
-        raise QuietError("FUSE is not available: /dev/fuse is missing", EXIT_NOFUSE)
-    if os.getuid() != 0 and not _which("fusermount3"):
-        raise QuietError("FUSE is not available: fusermount3 is not installed", EXIT_NOFUSE)
-
-
-def _which(cmd: str) -> str | None:
-    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
-        p = os.path.join(d, cmd)
-        if os.access(p, os.X_OK):
-            return p
-    return None

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
@@ -39,7 +40,8 @@ from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.source import Source
-from shadefs.stats import JobStats, Metrics, Stats, snapshot
+from shadefs.stats import VERSION as STATS_VERSION
+from shadefs.stats import JobStats, Metrics, Stats
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,18 @@ class Service:
             prefetch=prefetch,
             jobs=JobTable(opts.job_idle),
         )
+        # Read-ahead inside large files shares the prefetch window's size.
+        window = prefetch.window if prefetch is not None else 0
+        self.blocks = Blocks(
+            self.cache,
+            self.source,
+            block_size=max(opts.block_size, 4096),
+            window=window,
+            passthrough_above=opts.passthrough_above,
+        )
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
-            self.namespace, self.cache, self.control, self.metrics, self.source
+            self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
         )
 
     @staticmethod
@@ -115,6 +126,8 @@ class Service:
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
         self.cache.start(nursery)
+        if self.prefetcher is not None:
+            self.blocks.start(nursery)
 
     def close(self) -> None:
         """Release the SSD cache directory; call after the request loop has ended."""
@@ -122,15 +135,20 @@ class Service:
 
     def stats(self) -> Stats:
         """Everything stats.json reports, from each part's describe() (in the trio thread)."""
-        return snapshot(
-            self.mountpoint,
-            self.metrics,
-            source=self.source,
-            namespace=self.namespace,
-            cache=self.cache,
-            sampling=self.sampling,
-            prefetcher=self.prefetcher,
+        pf, blocks = self.prefetcher, self.blocks
+        return Stats(
+            version=STATS_VERSION,
+            pid=os.getpid(),
+            mountpoint=self.mountpoint,
+            uptime_s=round(time.time() - self.metrics.started, 3),
+            counters=self.metrics.describe(),
+            source=self.source.describe(),
+            namespace=self.namespace.describe(),
+            cache=self.cache.describe(),
+            sampler=self.sampling.describe(),
+            prefetch=pf.describe() if pf is not None else None,
             jobs=self.jobs(),
+            blocks=blocks.describe() if blocks is not None else None,
         )
 
     def jobs(self) -> tuple[JobStats, ...]:
@@ -188,6 +206,7 @@ class Service:
         if self.ssd is None:
             raise Rejected("no SSD tier: mount with --ssd DIR[:SIZE]")
         await self.ssd.set_capacity(size)
+        self.cache.refresh_limits()
 
     def drop_ram(self) -> int:
         return self.cache.drop()

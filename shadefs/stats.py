@@ -3,13 +3,13 @@
 This module owns the one typed description of what the daemon reports. Each part describes
 its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier, the
 `SsdStats` with its restore and the policies' `PolicyState`, `PrefetchStats`,
-`SamplerStats`); `snapshot()` assembles them into one `Stats`. Every consumer reads that:
+`SamplerStats`); the daemon's service assembles them into one `Stats`. Every consumer reads that:
 `Stats.to_json()` is the `stats.json` document (its keys are stable: scripts depend on
 them), `render_text()` the human `stats` file, `shadefs.ops.prom` the Prometheus text and
 `shadefs.ops.watch` the live view (it parses stats.json back with `Stats.from_json()`).
 
-This module imports no part: the parts import it for their dataclasses, and `snapshot()`
-takes them as `Part` protocols, so the data flows one way.
+This module imports no part: the parts import it for their dataclasses, so the data flows
+one way.
 
 The hot path only increments plain int attributes of `Metrics` (no locks: everything runs
 in the trio thread).
@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -181,6 +180,22 @@ class CacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockStats:
+    """Large files cached in blocks. JSON: `blocks`."""
+
+    block_size: int
+    threshold: int  # files above this are cached in blocks (the largest cached whole)
+    passthrough_above: int  # files above this are read through
+    opens: int
+    hits: int  # block reads served from RAM
+    ssd_loads: int  # blocks loaded from the SSD tier
+    source_loads: int  # blocks loaded from the source
+    read_ahead: int  # blocks whose load read-ahead started
+    ahead_bytes: int  # read-ahead bytes in flight or staged now
+    revalidated: int  # files whose blocks were dropped because the file changed
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchStats:
     """The prefetcher. JSON: `prefetch`."""
 
@@ -285,6 +300,7 @@ class Stats:
     sampler: SamplerStats
     prefetch: PrefetchStats | None = None
     jobs: tuple[JobStats, ...] = ()
+    blocks: BlockStats | None = None
 
     @property
     def opens(self) -> int:
@@ -342,6 +358,8 @@ class Stats:
             out["restore"] = _dump(ssd.restore)
         if self.prefetch is not None:
             out["prefetch"] = self.prefetch.to_json()
+        if self.blocks is not None:
+            out["blocks"] = _dump(self.blocks)
         return out
 
     @classmethod
@@ -379,6 +397,7 @@ class Stats:
             sampler=SamplerStats.from_json(d["sampler"]),
             prefetch=PrefetchStats.from_json(d["prefetch"]) if "prefetch" in d else None,
             jobs=tuple(_load(JobStats, j) for j in d.get("jobs", ())),
+            blocks=_load(BlockStats, d["blocks"]) if "blocks" in d else None,
         )
 
 
@@ -402,39 +421,3 @@ def _load(cls: type[_T], d: Mapping[str, Any], **given: Any) -> _T:
         elif f.default is dataclasses.MISSING:
             raise KeyError(f"{cls.__name__}.{f.name}")
     return cls(**args)
-
-
-# --- assembly -------------------------------------------------------------------------------
-
-
-class Part(Protocol[_S_co]):
-    """Anything that describes its state as one section of the schema."""
-
-    def describe(self) -> _S_co: ...
-
-
-def snapshot(
-    mountpoint: str,
-    metrics: Metrics,
-    *,
-    source: Part[SourceStats],
-    namespace: Part[NamespaceStats],
-    cache: Part[CacheStats],
-    sampling: Part[SamplerStats],
-    prefetcher: Part[PrefetchStats] | None = None,
-    jobs: tuple[JobStats, ...] = (),
-) -> Stats:
-    """The stats of the daemon now, from each part's `describe()`."""
-    return Stats(
-        version=VERSION,
-        pid=os.getpid(),
-        mountpoint=mountpoint,
-        uptime_s=round(time.time() - metrics.started, 3),
-        counters=metrics.describe(),
-        source=source.describe(),
-        namespace=namespace.describe(),
-        cache=cache.describe(),
-        sampler=sampling.describe(),
-        prefetch=prefetcher.describe() if prefetcher is not None else None,
-        jobs=jobs,
-    )

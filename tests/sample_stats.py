@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from shadefs.stats import (
+    BlockStats,
     CacheStats,
     Counters,
     HandleStats,
@@ -119,13 +120,25 @@ def full(**top: Any) -> Stats:
             plans_abandoned=1,
         ),
         jobs=(JobStats("pid:4242", "sweep", 3, 12, 4, 160000, 1.5, 1.7e9),),
+        blocks=BlockStats(
+            block_size=8 << 20,
+            threshold=1 << 20,
+            passthrough_above=1 << 30,
+            opens=3,
+            hits=40,
+            ssd_loads=2,
+            source_loads=5,
+            read_ahead=4,
+            ahead_bytes=0,
+            revalidated=1,
+        ),
     )
     return replace(s, **top)
 
 
 def minimal() -> Stats:
     """A plain mount before any sampler: no SSD tier, no prefetcher, an LRU policy."""
-    s = full(prefetch=None)
+    s = full(prefetch=None, blocks=None)
     sampler = SamplerStats(0, 0, 1.0, "auto", 0, 0, 0, {}, None)
     policy = PolicyState(name="lru", entries=3)
     return replace(s, cache=replace(s.cache, ssd=None, policy=policy), sampler=sampler, jobs=())

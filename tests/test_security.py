@@ -396,7 +396,7 @@ def test_mount_passthrough_never_follows_a_swap(
     mtree: tuple[Path, Path], mounter: Mounter, reval: tuple[str, ...]
 ) -> None:
     src, secret = mtree
-    m = mounter(src, "--max-entry", "1K", *reval)
+    m = mounter(src, "--max-entry", "1K", "--passthrough-above", "1K", *reval)
     fd = os.open(m.mnt / "big.bin", os.O_RDONLY)  # opened before the swap
     try:
         os.stat(m.mnt / "dir" / "f.txt")

@@ -35,6 +35,10 @@ PREFETCH = {
     "skipped", "staged", "staged_bytes", "inflight", "workers_target", "latency_ms", "window",
     "plans_done", "plans_abandoned",
 }  # fmt: skip
+BLOCKS = {
+    "block_size", "threshold", "passthrough_above", "opens", "hits", "ssd_loads", "source_loads",
+    "read_ahead", "ahead_bytes", "revalidated",
+}  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",
     "last_report", "table",
@@ -45,8 +49,11 @@ TABLE = {
 }  # fmt: skip
 
 
-def check_keys(d: dict, *, ssd: bool, prefetch: bool, table: bool) -> None:
-    assert set(d) == TOP | (SSD_TOP if ssd else set()) | ({"prefetch"} if prefetch else set())
+def check_keys(d: dict, *, ssd: bool, prefetch: bool, table: bool, blocks: bool = False) -> None:
+    optional = (SSD_TOP if ssd else set()) | ({"prefetch"} if prefetch else set())
+    assert set(d) == TOP | optional | ({"blocks"} if blocks else set())
+    if blocks:
+        assert set(d["blocks"]) == BLOCKS
     assert set(d["tiers"]) == ({"ram", "ssd"} if ssd else {"ram"})
     assert set(d["tiers"]["ram"]) == RAM
     assert {"name", "entries"} <= set(d["policy_state"])
@@ -61,7 +68,7 @@ def check_keys(d: dict, *, ssd: bool, prefetch: bool, table: bool) -> None:
 
 def test_the_document_keeps_its_keys_and_meanings() -> None:
     d = full().to_json()
-    check_keys(d, ssd=True, prefetch=True, table=True)
+    check_keys(d, ssd=True, prefetch=True, table=True, blocks=True)
     assert d["hit_ratio"] == 0.75 and d["files_cached"] == 3 + 8
     assert d["source"] == "/mnt/nfs" and d["bytes_from_source"] == 65432
     assert d["ram_bytes"] == d["tiers"]["ram"]["bytes"] == 1000
@@ -105,7 +112,7 @@ async def test_a_built_daemon_describes_every_part(tmp_path: Path) -> None:
     assert s.cache.ssd is not None and s.cache.ssd.policy.name == "shade"
     assert s.prefetch is not None and s.sampler.table is None
     d = json.loads(json.dumps(s.to_json()))
-    check_keys(d, ssd=True, prefetch=True, table=False)
+    check_keys(d, ssd=True, prefetch=True, table=False, blocks=True)
     assert Stats.from_json(d) == s
 
 

@@ -5,15 +5,15 @@ fetches misses whole from the source (one fetch per file at a time, however many
 open it concurrently), and asks the policy whether the fetched bytes may stay and what to
 evict for them. It never chooses victims itself.
 
-Files larger than `max_entry` are not cached: they are read through (pass-through) with
-positional reads on a source descriptor, so they read correctly whatever the budget.
+Files larger than `max_entry` are not cached whole: `fs/operations.py` hands them to
+`cache/blocks.py`, which caches them as block entries in these same tiers (`admit`,
+`remove`; block keys are negative), or reads them through (pass-through) with positional
+reads on a source descriptor when blocks are off or the file exceeds the whole budget.
 
-The cache owns its SSD tier (ssd_tier.py) and its prefetcher (prefetch.py): it builds
-both, and hands the prefetcher the two callables it needs (`fetch_ahead`, `tier_of`), so
-that prefetch.py does not import this module. It also builds the policies of both tiers by
-name (`set_policy`), because a clairvoyant policy reads the prefetcher's plans.
-`start(nursery)` starts the background tasks of the SSD tier and of the prefetcher, and
-the sweep that ends idle jobs.
+The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
+two callables it needs (`fetch_ahead`, `tier_of`), so prefetch.py does not import this
+module. It builds both tiers' policies by name, since `belady` reads the prefetcher's plans.
+`start(nursery)` starts the tiers' and the prefetcher's tasks and the idle-job sweep.
 
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
 the code between two awaits is a critical section. The awaits of the data path are the SSD
@@ -27,11 +27,13 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Set
+from typing import NamedTuple
 
 import numpy as np
 import pyfuse3
 import trio
 
+from shadefs.cache.block_keys import by_file
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
@@ -40,19 +42,16 @@ from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.sampling.jobs import JobTable
 from shadefs.source import Source
-from shadefs.stats import CacheStats, HandleStats, Metrics, RamStats
+from shadefs.stats import CacheStats, Metrics, RamStats
 
 log = logging.getLogger(__name__)
 
 
-class Entry:
+class Entry(NamedTuple):
     """A resident file: its bytes and the signature of the source file they came from."""
 
-    __slots__ = ("data", "sig")
-
-    def __init__(self, data: bytes, sig: Signature) -> None:
-        self.data = data
-        self.sig = sig
+    data: bytes
+    sig: Signature
 
 
 class _Flight:
@@ -73,11 +72,9 @@ class Cache:
     """The RAM tier under a byte budget that is never exceeded (counting file bytes), and
     the owner of the SSD tier and of the prefetcher.
 
-    :capacity: the budget in bytes
-    :max_entry: files larger than this are read through, never cached
-    :used: bytes of resident file data
-    :ssd: the SSD tier (None without an SSD store)
-    :prefetcher: the prefetcher (None when prefetching is off)
+    :capacity: the budget in bytes; :used: bytes of resident file data
+    :max_entry: the largest file cached whole in RAM
+    :ssd: the SSD tier, :prefetcher: the prefetcher (None when off)
     """
 
     def __init__(
@@ -95,16 +92,15 @@ class Cache:
         handle_limit: int | None = None,
         jobs: JobTable | None = None,
     ) -> None:
-        """`policy` names the policy of every tier (ValueError if unknown); `score_of` gives
-        a key's importance to the `shade` policy. `ssd` is the store of an SSD tier, whose
-        restored entries get their keys from `key_of_ino`; `prefetch` None turns
-        prefetching off. `handle_limit` bounds the bytes open handles keep alive outside the
-        RAM tier (None: the RAM budget). `jobs` attributes every open to the reader's job
-        (None: a table of its own), so that the policies can tell jobs apart."""
+        """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
+        key's importance to `shade`. `ssd` is an SSD tier's store, whose restored entries get
+        their keys from `key_of_ino`. `handle_limit` bounds what open handles keep alive
+        outside the RAM tier (None: the RAM budget). `jobs` tells the readers' jobs apart."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
+        self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
         self.entries: dict[int, Entry] = {}
         self.used = 0
@@ -118,15 +114,10 @@ class Cache:
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
-        self.prefetcher: Prefetcher | None = None
-        if prefetch is not None:
-            self.prefetcher = Prefetcher(
-                self.fetch_ahead,
-                self.tier_of,
-                window=prefetch.window,
-                max_workers=prefetch.max_workers,
-                abandon_after=prefetch.abandon_after,
-            )
+        self.blocks_cached = False  # set by cache/blocks.py: entries may hold block keys
+        self.prefetcher = (
+            Prefetcher.with_settings(prefetch, self.fetch_ahead, self.tier_of) if prefetch else None
+        )
         self.jobs = jobs if jobs is not None else JobTable()
         self.policy = self._make_policy(policy)
         self.ssd: SsdTier | None = None
@@ -134,6 +125,7 @@ class Cache:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
             self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino)
+        self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
@@ -160,6 +152,15 @@ class Cache:
         if self._max_entry is not None:
             return min(self._max_entry, self.capacity)
         return min(self.capacity // 8, 256 << 20)
+
+    def refresh_limits(self) -> None:
+        """Recompute `whole_max`, the largest file some tier caches whole (larger ones are
+        cached in blocks); after a budget changes. A plain attribute, because every open
+        compares the file's size with it."""
+        whole = self.max_entry
+        if self.ssd is not None:
+            whole = max(whole, self.ssd.max_entry)
+        self.whole_max = whole
 
     @property
     def handle_limit(self) -> int:
@@ -289,9 +290,12 @@ class Cache:
             self.ssd.offer(key, path, data, sig)
 
     def _admit(self, key: int, data: bytes, sig: Signature) -> None:
+        if len(data) <= self.max_entry:
+            self.admit(key, data, sig)
+
+    def admit(self, key: int, data: bytes, sig: Signature) -> None:
+        """Admit `data` under `key` if the policy makes room (blocks come in here too)."""
         size = len(data)
-        if size > self.max_entry:
-            return
         if key in self.entries:
             self._remove(key)
         victims = self.policy.admit(key, size, self.capacity - self.used)
@@ -311,6 +315,10 @@ class Cache:
         self.admitted += 1
         self.policy.inserted(key, size)
         self.handles.admitted(data)
+
+    def remove(self, key: int) -> None:
+        """Drop a resident entry (a block of a file that changed)."""
+        self._remove(key)
 
     def _remove(self, key: int) -> None:
         entry = self.entries.pop(key)
@@ -332,6 +340,7 @@ class Cache:
     def set_capacity(self, capacity: int) -> None:
         """Change the budget; shrinking evicts at once, in the policy's order."""
         self.capacity = capacity
+        self.refresh_limits()
         if self.used > capacity:
             for victim in self.policy.shrink(self.used - capacity):
                 self._remove(victim)
@@ -341,9 +350,17 @@ class Cache:
     policies = POLICIES
 
     def _make_policy(self, name: str) -> Policy:
-        pf = self.prefetcher
-        next_use = pf.next_use if pf is not None else None
-        return make_policy(name, self._score_of, next_use, pf.planned if pf is not None else None)
+        pf, score_of = self.prefetcher, self._score_of
+        return make_policy(
+            name,
+            by_file(score_of) if score_of is not None else None,
+            by_file(pf.next_use) if pf is not None else None,
+            pf.planned if pf is not None else None,
+        )
+
+    def _policies(self) -> list[Policy]:
+        """The policy of every tier."""
+        return [self.policy] if self.ssd is None else [self.policy, self.ssd.policy]
 
     def set_policy(self, name: str) -> None:
         """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
@@ -360,25 +377,22 @@ class Cache:
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         """Epoch `epoch` begins for job `job` (None: for every job)."""
-        self.policy.begin_epoch(epoch, job)
-        if self.ssd is not None:
-            self.ssd.policy.begin_epoch(epoch, job)
+        for policy in self._policies():
+            policy.begin_epoch(epoch, job)
 
     def expire_jobs(self, now: float) -> None:
         """End the jobs idle for longer than the table's idle time, in every policy."""
         for row in self.jobs.expire(now):
-            self.policy.job_ended(row)
-            if self.ssd is not None:
-                self.ssd.policy.job_ended(row)
+            for policy in self._policies():
+                policy.job_ended(row)
 
     def name_job(self, pid: int, name: str, group: str) -> int:
         """Name `pid`'s job (a sampler's registration); returns its row."""
         row, merged = self.jobs.name(pid, name, group)
-        for policy in (self.policy, self.ssd.policy if self.ssd is not None else None):
-            if policy is not None:
-                if merged is not None:
-                    policy.job_ended(merged)
-                policy.job_named(row, self.jobs.jobs[row].group)
+        for policy in self._policies():
+            if merged is not None:
+                policy.job_ended(merged)
+            policy.job_named(row, self.jobs.jobs[row].group)
         return row
 
     def job_epochs(self) -> dict[int, int]:
@@ -403,6 +417,9 @@ class Cache:
         keys: Set[int] = self.entries.keys()
         if self.ssd is not None:
             keys = keys | self.ssd.index.keys()
+        if self.blocks_cached:
+            # Block keys are negative and name no sample: files only.
+            keys = {k for k in keys if k >= 0}
         return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
     async def evict(self, key: int) -> bool:
@@ -428,11 +445,6 @@ class Cache:
             fetches_shared=self.shared_fetches,
             blocked_seconds=round(self.blocked, 6),
             policy=self.policy.describe(),
-            handles=HandleStats(
-                bytes=self.handles.held,
-                limit=self.handle_limit,
-                open=self.handles.handles,
-                passthrough_opens=self.handle_passthrough,
-            ),
+            handles=self.handles.describe(self.handle_limit, self.handle_passthrough),
             ssd=self.ssd.describe() if self.ssd is not None else None,
         )

@@ -16,6 +16,8 @@ thread.
 
 from __future__ import annotations
 
+from shadefs.stats import HandleStats
+
 __all__ = ["HandleLedger"]
 
 
@@ -74,3 +76,8 @@ class HandleLedger:
         size = self._outside.pop(id(data), None)
         if size is not None:
             self.held -= size
+
+    def describe(self, limit: int, passthrough_opens: int) -> HandleStats:
+        return HandleStats(
+            bytes=self.held, limit=limit, open=self.handles, passthrough_opens=passthrough_opens
+        )

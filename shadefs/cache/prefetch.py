@@ -164,6 +164,18 @@ class Plan:
 class Prefetcher:
     """Fetches the upcoming misses of every active plan into a bounded staging buffer."""
 
+    @classmethod
+    def with_settings(
+        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Callable[[int], int]
+    ) -> Prefetcher:
+        return cls(
+            fetch_ahead,
+            tier_of,
+            window=settings.window,
+            max_workers=settings.max_workers,
+            abandon_after=settings.abandon_after,
+        )
+
     def __init__(
         self,
         fetch_ahead: FetchAhead,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import trio
 
+from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_format import Signature, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
@@ -85,6 +86,8 @@ class SsdTier:
         self._reserved = 0
         self._wake_evictor = trio.Event()
         self._limiter = trio.CapacityLimiter(16)
+        # The block size of block entries (cache/blocks.py sets it; 0: none are restored).
+        self.block_size = 0
 
     @property
     def capacity(self) -> int:
@@ -235,7 +238,12 @@ class SsdTier:
         while True:
             chunk = await trio.to_thread.run_sync(_next_chunk, scan)
             for relpath, size, sig in chunk:
-                key = self.key_of_ino(sig.ino)
+                key = self._restored_key(relpath, size, sig)
+                if key is None:
+                    # A block of another block size: no lookup can find it, so it would
+                    # only hold room that the policy cannot free.
+                    await trio.to_thread.run_sync(self.store.remove, relpath)
+                    continue
                 if key not in self.index:
                     self._index(key, relpath, size, restored=True)
                     self.restore_entries += 1
@@ -250,6 +258,20 @@ class SsdTier:
             self.restore_seconds,
         )
         self._wake_evictor.set()
+
+    def _restored_key(self, relpath: bytes, size: int, sig: Signature) -> int | None:
+        """The key of a restored entry: its file's key, or the block key of a block entry
+        (None for a block written with another block size, which no lookup can find)."""
+        key = self.key_of_ino(sig.ino)
+        if b"\0" not in relpath:
+            return key
+        name = parse_block_relpath(relpath)
+        bs = self.block_size
+        if name is None or not bs or name.offset % bs:
+            return None
+        if size != min(bs, name.file_size - name.offset):
+            return None  # aligned, but written with another block size
+        return block_key(key, name.offset // bs)
 
     async def evictor(self, interval: float = 5.0) -> None:
         """Keep the tier under its high watermark and the disk above its free floor."""

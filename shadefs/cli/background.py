@@ -4,7 +4,7 @@ This module stays light (no numpy, trio or pyfuse3 imports), so that the short-l
 of a background mount starts fast. `shadefs mount` without `-f` re-executes itself in the
 foreground in a new session and waits on a pipe until the child reports that the mount
 answers (or why it failed). So the command returns only once the mount is usable, like other
-mount tools. The options and the checks before mounting are in options.py, the daemon
+mount tools. The options are in options.py, the checks before mounting in checks.py, the daemon
 itself is daemon.py.
 """
 

@@ -16,6 +16,7 @@ import time
 
 from shadefs import __version__, options
 from shadefs.cli.background import spawn_background
+from shadefs.cli.checks import check_environment
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
@@ -23,7 +24,7 @@ from shadefs.common import (
     parse_float,
     parse_int,
 )
-from shadefs.options import argtype, check_environment
+from shadefs.options import argtype
 from shadefs.torch.client import ControlClient, read_stats
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,9 @@ import pyfuse3
 import trio
 from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
+from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.ssd_format import StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
@@ -97,9 +99,17 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(
-        self, ns: Namespace, cache: Cache, control: Control, metrics: Metrics, source: Source
+        self,
+        ns: Namespace,
+        cache: Cache,
+        control: Control,
+        metrics: Metrics,
+        source: Source,
+        blocks: Blocks | None = None,
     ) -> None:
         super().__init__()
+        self.blocks = blocks
+        self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
         self.cache = cache
         self.control = control
@@ -220,6 +230,10 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
+        if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+            blocks = self.blocks
+            if blocks is not None and blocks.applies(st.st_size):
+                return await self._open_blocks(blocks, inode, path, st, changed)
         data = await self.cache.open(inode, path, st, ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
@@ -234,6 +248,18 @@ class Operations(pyfuse3.Operations):
         # Pass-through files are not resident: do not let the kernel keep stale pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
+    async def _open_blocks(
+        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike, changed: bool
+    ) -> pyfuse3.FileInfo:
+        """A large file, cached in blocks (cache/blocks.py)."""
+        handle, resident = await blocks.open(inode, path, st)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._blk[fh] = handle
+        # Only a file whose every block is resident may keep the kernel's pages: otherwise
+        # they could outlive a change that this open has just revalidated.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=resident and not changed)
+
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
@@ -241,6 +267,9 @@ class Operations(pyfuse3.Operations):
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
             chunk = await self.source.pread(self._fds[fh], size, off)
+        elif fh in self._blk:
+            assert self.blocks is not None
+            chunk = await self.blocks.read(self._blk[fh], off, size)
         else:
             return self.control.read(fh, off, size)
         self.metrics.bytes_served += len(chunk)
@@ -254,6 +283,9 @@ class Operations(pyfuse3.Operations):
         fd = self._fds.pop(fh, None)
         if fd is not None:
             await self.source.close_fd(fd)
+        elif fh in self._blk:
+            assert self.blocks is not None
+            await self.blocks.release(self._blk.pop(fh))
         elif self.control.owns_handle(fh):
             self.control.release(fh)
 

@@ -1,0 +1,401 @@
+"""Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
+
+A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
+SSD tier's largest entry) and up to the pass-through limit is never fetched whole. Each
+block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
+the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
+(admitted through `Cache.admit`, so the RAM budget counts blocks and the policy chooses
+among files and blocks alike) and the SSD tier (write-behind, checksums, restore: one SSD
+entry per block, signed by the file).
+
+Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block (no
+copy; only a read that spans two blocks joins them). A missing block is loaded once however
+many readers want it (single flight per block): from the SSD tier, else from the source in
+a worker thread behind `Source`'s limiter and timeout, with the file's signature checked by
+an fstat on the same descriptor after the read, so bytes of a file that changed meanwhile are
+served to that reader but never cached.
+
+Read-ahead: opening a file and every read of block i start loading the next blocks, up to
+`window` bytes over all open files (the prefetch window). A block that read-ahead loaded but
+the policy did not admit waits in its handle (`staged`) until the reader takes it; staged
+bytes count against the window, so read-ahead never holds more than the window.
+
+Revalidation: each block-cached file's signature is remembered; an open that sees another
+signature drops every block of the file in both tiers before anything is served.
+
+Policies see a block like any entry: `epoch` consumes a shard's blocks as its reader takes
+them (one access per block per handle; a block that this handle's read-ahead loaded is not
+counted twice, which would look like a new epoch); `lru` and `belady` order blocks; `shade`
+ranks a block by its file's importance (the coordinator maps block keys to file keys).
+
+Concurrency: everything runs in the trio thread except the source reads. After each await
+the state is re-read (the entry may have been evicted, the handle released). A handle's
+source descriptor is closed only once no read of it is in flight (`_Handle.users`), so a
+descriptor number is never reused under a running pread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from shadefs.cache.block_keys import block_key, block_relpath
+from shadefs.cache.coordinator import Cache
+from shadefs.cache.ssd_format import Signature, StatLike
+from shadefs.source import Source
+from shadefs.stats import BlockStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockHandle", "Blocks"]
+
+DEFAULT_BLOCK_SIZE = 8 << 20
+
+
+class _Flight:
+    __slots__ = ("done", "data", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
+class BlockHandle:
+    """One open of a block-cached file."""
+
+    __slots__ = (
+        "key",
+        "path",
+        "sig",
+        "size",
+        "nblocks",
+        "fd",
+        "users",
+        "closed",
+        "staged",
+        "seen",
+        "ahead_to",
+        "pos",
+        "cur",
+        "cur_data",
+    )
+
+    def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
+        self.key = key
+        self.path = path
+        self.sig = sig
+        self.size = sig.size
+        self.nblocks = -(-sig.size // block_size)
+        self.fd = -1
+        self.users = 0  # source reads in flight on fd
+        self.closed = False
+        self.staged: dict[int, bytes] = {}  # loaded ahead, not admitted, not yet read
+        # Per block: 0 untouched, 1 counted as an access, 2 loaded by this handle.
+        self.seen = bytearray(self.nblocks)
+        self.ahead_to = 0  # read-ahead has been started for blocks below this
+        self.pos = -1  # the last block the reader asked for
+        # The block the reader is in: a block the policy did not admit is read by many
+        # requests (1 MiB reads of an 8 MiB block) but loaded once.
+        self.cur = -1
+        self.cur_data = b""
+
+
+class Blocks:
+    """Block entries of large files over the cache's tiers.
+
+    :threshold: files larger than this are cached in blocks (the cache's whole_max)
+    :block_size: bytes per block (the last block of a file is shorter)
+    :window: bytes that read-ahead may have in flight or staged, over all files
+    """
+
+    def __init__(
+        self,
+        cache: Cache,
+        source: Source,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        window: int = 64 << 20,
+        passthrough_above: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.source = source
+        self.block_size = block_size
+        self.window = max(window, block_size)
+        self._passthrough_above = passthrough_above
+        self._flights: dict[int, _Flight] = {}
+        self._sigs: dict[int, Signature] = {}  # file key -> signature its blocks belong to
+        self._nursery: trio.Nursery | None = None
+        self.ahead_bytes = 0  # read-ahead in flight or staged
+        self.hits = 0
+        self.ssd_loads = 0
+        self.source_loads = 0
+        self.read_ahead = 0
+        self.revalidated = 0
+        self.opens = 0
+        cache.blocks_cached = True
+        if cache.ssd is not None:
+            cache.ssd.block_size = block_size
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Read-ahead tasks run in `nursery` (without it, there is no read-ahead)."""
+        self._nursery = nursery
+
+    @property
+    def threshold(self) -> int:
+        return self.cache.whole_max
+
+    @property
+    def passthrough_above(self) -> int:
+        """Files larger than this are read through: the operator's limit, else the budget."""
+        budget = self.cache.capacity + (self.cache.ssd.capacity if self.cache.ssd else 0)
+        if self._passthrough_above is not None:
+            return min(self._passthrough_above, budget)
+        return budget
+
+    def applies(self, size: int) -> bool:
+        return self.threshold < size <= self.passthrough_above
+
+    # --- open / release ---------------------------------------------------------------
+
+    async def open(self, key: int, path: bytes, st: StatLike) -> tuple[BlockHandle, bool]:
+        """A handle on the file, and whether every block is resident in RAM (keep_cache)."""
+        sig = Signature.of(st)
+        old = self._sigs.get(key)
+        if old is not None and old != sig:
+            await self._invalidate(key, path, old)
+        self._sigs[key] = sig
+        self.opens += 1
+        h = BlockHandle(key, path, sig, self.block_size)
+        entries = self.cache.entries
+        resident = True
+        for i in range(h.nblocks):
+            e = entries.get(block_key(key, i))
+            if e is None or e.sig != sig:
+                resident = False
+                break
+        if not resident:
+            # Opened now, like a pass-through handle: the handle reads the file it opened,
+            # whatever is renamed or swapped in at its path later.
+            h.fd = await self.source.open_fd(path)
+            self._read_ahead(h, 0)
+            return h, False
+        # keep_cache: the kernel may serve every read from its pages and never ask us, so
+        # the open is the shard's read as far as the policy can tell (as for whole files).
+        accessed = self.cache.policy.accessed
+        for i in range(h.nblocks):
+            h.seen[i] = 1
+            accessed(block_key(key, i), True)
+        return h, True
+
+    async def release(self, h: BlockHandle) -> None:
+        h.closed = True
+        h.cur_data = b""
+        for data in h.staged.values():
+            self.ahead_bytes -= len(data)
+        h.staged.clear()
+        if h.users == 0 and h.fd >= 0:
+            fd, h.fd = h.fd, -1
+            await self.source.close_fd(fd)
+
+    async def _invalidate(self, key: int, path: bytes, old: Signature) -> None:
+        """The file changed: drop every block of its old version from both tiers."""
+        self.revalidated += 1
+        log.debug("%r changed: dropping its blocks", path)
+        cache, ssd = self.cache, self.cache.ssd
+        for i in range(-(-old.size // self.block_size)):
+            bkey = block_key(key, i)
+            if bkey in cache.entries:
+                cache.remove(bkey)
+            if ssd is not None and bkey in ssd.index:
+                await ssd.evict(bkey)
+
+    # --- reads ------------------------------------------------------------------------
+
+    async def read(self, h: BlockHandle, off: int, size: int) -> bytes:
+        end = min(off + size, h.size)
+        if off >= end:
+            return b""
+        bs = self.block_size
+        first, last = off // bs, (end - 1) // bs
+        if first == last:
+            data = await self._block(h, first)
+            self._read_ahead(h, first + 1)
+            base = first * bs
+            # A slice of the block, not a copy: pyfuse3 takes any buffer.
+            return memoryview(data)[off - base : end - base]  # type: ignore[return-value]
+        parts = []
+        for i in range(first, last + 1):
+            data = await self._block(h, i)
+            base = i * bs
+            parts.append(memoryview(data)[max(off - base, 0) : min(end - base, len(data))])
+        self._read_ahead(h, last + 1)
+        return b"".join(parts)
+
+    async def _block(self, h: BlockHandle, i: int) -> bytes:
+        if h.cur == i:
+            return h.cur_data
+        data = await self._find(h, i)
+        h.cur, h.cur_data = i, data
+        return data
+
+    async def _find(self, h: BlockHandle, i: int) -> bytes:
+        h.pos = i
+        bkey = block_key(h.key, i)
+        entry = self.cache.entries.get(bkey)
+        if entry is not None and entry.sig == h.sig:
+            self.hits += 1
+            if not h.seen[i]:
+                h.seen[i] = 1
+                self.cache.policy.accessed(bkey, True)
+            return entry.data
+        data = h.staged.pop(i, None)
+        if data is not None:
+            self.ahead_bytes -= len(data)
+            return data
+        if not h.seen[i]:
+            h.seen[i] = 2
+            self.cache.policy.accessed(bkey, False)
+        return await self._load(h, i)
+
+    async def _load(self, h: BlockHandle, i: int) -> bytes:
+        """Block i from the SSD tier or the source, as the one flight for its key; admitted
+        to the RAM tier if the policy lets it."""
+        bkey = block_key(h.key, i)
+        flight = self._flights.get(bkey)
+        if flight is not None:
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.data is not None
+            return flight.data
+        flight = _Flight()
+        self._flights[bkey] = flight
+        try:
+            data = await self._fetch(h, i, bkey)
+            flight.data = data
+        except BaseException as exc:
+            flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
+            if flight.error is None:
+                flight.error = pyfuse3.FUSEError(errno.EIO)
+            raise
+        finally:
+            del self._flights[bkey]
+            flight.done.set()
+        return data
+
+    async def _fetch(self, h: BlockHandle, i: int, bkey: int) -> bytes:
+        off = i * self.block_size
+        n = min(self.block_size, h.size - off)
+        ssd = self.cache.ssd
+        rel = block_relpath(h.path, off, h.size)
+        bsig = h.sig._replace(size=n)
+        if ssd is not None:
+            data = await ssd.lookup(bkey, rel, bsig)
+            if data is not None:
+                self.ssd_loads += 1
+                self._admit(h, bkey, data)
+                return data
+            ssd.missed(bkey)
+        data, clean = await self._pread(h, n, off)
+        self.source_loads += 1
+        if clean:
+            self._admit(h, bkey, data)
+            if ssd is not None:
+                ssd.offer(bkey, rel, data, bsig)
+        return data
+
+    def _admit(self, h: BlockHandle, bkey: int, data: bytes) -> None:
+        if self._sigs.get(h.key) == h.sig:  # not if the file changed meanwhile
+            self.cache.admit(bkey, data, h.sig)
+
+    async def _pread(self, h: BlockHandle, n: int, off: int) -> tuple[bytes, bool]:
+        """n bytes at off from the source; clean is False if the file changed meanwhile."""
+        if h.fd < 0:
+            fd = await self.source.open_fd(h.path)
+            if h.fd < 0 and not h.closed:
+                h.fd = fd
+            else:  # another read opened one meanwhile, or the handle is gone
+                await self.source.close_fd(fd)
+                if h.closed:
+                    raise pyfuse3.FUSEError(errno.EBADF)
+        h.users += 1
+        try:
+            data, st = await self.source.run(_pread_stat, h.fd, n, off)
+        finally:
+            h.users -= 1
+            if h.closed and h.users == 0 and h.fd >= 0:
+                fd, h.fd = h.fd, -1
+                await self.source.close_fd(fd)
+        self.source.bytes_read += len(data)
+        return data, len(data) == n and Signature.of(st) == h.sig
+
+    # --- read-ahead -------------------------------------------------------------------
+
+    def _read_ahead(self, h: BlockHandle, start: int) -> None:
+        """Start loading blocks from `start` on, within the window; never awaits."""
+        nursery = self._nursery
+        if nursery is None:
+            return
+        bs = self.block_size
+        ahead = self.window // bs
+        i = max(start, h.ahead_to)
+        stop = min(h.nblocks, start + ahead)
+        entries = self.cache.entries
+        while i < stop and self.ahead_bytes + bs <= self.window:
+            bkey = block_key(h.key, i)
+            if bkey not in entries and bkey not in self._flights and i not in h.staged:
+                self.ahead_bytes += bs
+                self.read_ahead += 1
+                nursery.start_soon(self._ahead, h, i)
+            i += 1
+        h.ahead_to = max(h.ahead_to, i)
+
+    async def _ahead(self, h: BlockHandle, i: int) -> None:
+        bs = self.block_size
+        try:
+            if h.closed:
+                return
+            if not h.seen[i]:
+                h.seen[i] = 2
+                self.cache.policy.accessed(block_key(h.key, i), False)
+            data = await self._load(h, i)
+        except pyfuse3.FUSEError as exc:
+            log.debug("read-ahead of block %d of %r failed: %s", i, h.path, exc)
+            return
+        finally:
+            self.ahead_bytes -= bs
+        if h.closed or i <= h.pos or block_key(h.key, i) in self.cache.entries:
+            return  # gone, already taken by the reader (it joined the flight), or cached
+        # Not admitted (the policy refused it): keep it for this reader, within the window.
+        h.staged[i] = data
+        self.ahead_bytes += len(data)
+
+    def describe(self) -> BlockStats:
+        return BlockStats(
+            block_size=self.block_size,
+            threshold=self.threshold,
+            passthrough_above=self.passthrough_above,
+            opens=self.opens,
+            hits=self.hits,
+            ssd_loads=self.ssd_loads,
+            source_loads=self.source_loads,
+            read_ahead=self.read_ahead,
+            ahead_bytes=self.ahead_bytes,
+            revalidated=self.revalidated,
+        )
+
+
+def _pread_stat(fd: int, n: int, off: int) -> tuple[bytes, os.stat_result]:
+    """One worker-thread call: read, then fstat the same descriptor to sign the bytes."""
+    data = os.pread(fd, n, off)
+    while 0 < len(data) < n:  # short reads of NFS are legal
+        more = os.pread(fd, n - len(data), off + len(data))
+        if not more:
+            break
+        data += more
+    return data, os.fstat(fd)
