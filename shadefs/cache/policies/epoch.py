@@ -104,6 +104,10 @@ class EpochPolicy(Policy):
             self._accessed(key, hit, job)
             return
         # A hit of the one active job: the single-job rules, and nothing else (hit path).
+        self._solo_hit(key)
+
+    def _solo_hit(self, key: int) -> None:
+        """A hit while one job reads: a file it already read this epoch starts the next."""
         last = self._last.get(key)
         if last is None:
             return
@@ -133,13 +137,7 @@ class EpochPolicy(Policy):
             # One job: as before, only resident files tell epochs apart (its row in step).
             reads.read(key, job, infer=False)
             return
-        last = self._last.get(key)
-        if last is None:
-            return
-        if last == self.epoch and not self._explicit:
-            self.epoch += 1
-            log.debug("inferred the start of epoch %d", self.epoch)
-        self._place(key, self.epoch)
+        self._solo_hit(key)
 
     def _sync_row(self, row: int) -> None:
         """Job `row` is the one job: its row takes the single-job state of resident keys."""
