@@ -45,6 +45,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
 from shadefs.stats import BlockStats
@@ -54,15 +55,6 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_BLOCK_SIZE", "BlockHandle", "Blocks"]
 
 DEFAULT_BLOCK_SIZE = 8 << 20
-
-
-class _Flight:
-    __slots__ = ("done", "data", "error")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.data: bytes | None = None
-        self.error: BaseException | None = None
 
 
 class BlockHandle:
@@ -127,7 +119,7 @@ class Blocks:
         self.block_size = block_size
         self.window = max(window, block_size)
         self._passthrough_above = passthrough_above
-        self._flights: dict[int, _Flight] = {}
+        self._flights: dict[int, Flight] = {}
         self._sigs: dict[int, Signature] = {}  # file key -> signature its blocks belong to
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
@@ -268,24 +260,11 @@ class Blocks:
         bkey = block_key(h.key, i)
         flight = self._flights.get(bkey)
         if flight is not None:
-            await flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.data is not None
-            return flight.data
-        flight = _Flight()
-        self._flights[bkey] = flight
-        try:
+            return await flight.result()
+        flight = Flight()
+        with flying(self._flights, bkey, flight):
             data = await self._fetch(h, i, bkey)
             flight.data = data
-        except BaseException as exc:
-            flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
-            if flight.error is None:
-                flight.error = pyfuse3.FUSEError(errno.EIO)
-            raise
-        finally:
-            del self._flights[bkey]
-            flight.done.set()
         return data
 
     async def _fetch(self, h: BlockHandle, i: int, bkey: int) -> bytes:

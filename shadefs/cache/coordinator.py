@@ -23,17 +23,16 @@ trusted from before.
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections.abc import Callable, Set
 from typing import NamedTuple
 
 import numpy as np
-import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import by_file
+from shadefs.cache.flights import Flight, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
@@ -54,14 +53,12 @@ class Entry(NamedTuple):
     sig: Signature
 
 
-class _Flight:
-    __slots__ = ("done", "data", "sig", "error", "ahead", "clean")
+class _Flight(Flight):
+    __slots__ = ("sig", "ahead", "clean")
 
     def __init__(self, ahead: bool = False) -> None:
-        self.done = trio.Event()
-        self.data: bytes | None = None
+        super().__init__()
         self.sig: Signature | None = None
-        self.error: BaseException | None = None
         self.ahead = ahead  # started by the prefetcher, not by a reader
         # False when the file changed size since it was looked up or while it was read:
         # the bytes answer the readers of this flight but are never cached.
@@ -230,16 +227,14 @@ class Cache:
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
-            await flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.data is not None and flight.sig is not None
+            data = await flight.result()
+            assert flight.sig is not None
             if flight.ahead and flight.clean:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
                 if self.prefetcher is not None:
                     self.prefetcher.take(key, flight.sig)
-                self._adopt(key, path, flight.data, flight.sig)
-            return flight.data
+                self._adopt(key, path, data, flight.sig)
+            return data
         flight = _Flight()
         data, sig = await self._fly(key, path, flight, size)
         if flight.clean:
@@ -250,24 +245,14 @@ class Cache:
         self, key: int, path: bytes, flight: _Flight, size: int | None
     ) -> tuple[bytes, Signature]:
         """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
-        self._flights[key] = flight
-        try:
+        with flying(self._flights, key, flight):
             data, st = await self.source.read_file(path, size)
             flight.data = data
-            flight.sig = Signature.of(st)
+            flight.sig = sig = Signature.of(st)
             flight.clean = len(data) == st.st_size and size in (None, st.st_size)
             if not flight.clean:
                 log.debug("%r changed size while it was fetched: served, not cached", path)
-        except BaseException as exc:
-            flight.error = exc if isinstance(exc, pyfuse3.FUSEError) else None
-            if flight.error is None:
-                # Cancellation or a bug: waiters get EIO, the original exception propagates.
-                flight.error = pyfuse3.FUSEError(errno.EIO)
-            raise
-        finally:
-            del self._flights[key]
-            flight.done.set()
-        return data, flight.sig
+        return data, sig
 
     async def fetch_ahead(
         self, key: int, path: bytes, size: int | None = None
