@@ -103,6 +103,9 @@ def test_the_policy_against_a_brute_force_demand_oracle(seed: int) -> None:
         return wanted, consumed
 
     def check(t: int, key: int, victims, resident: set[int]) -> None:
+        # The oracle's reads: the trace up to and including this access.
+        for j in range(jobs):
+            reads_so_far[j] = [k for jj, k in trace[: t + 1] if jj == j]
         if len(set(j for j, _ in trace[: t + 1])) < 2 or len(resident) < 10:
             return  # not shared yet, or not full
         new = state(key)
@@ -116,23 +119,7 @@ def test_the_policy_against_a_brute_force_demand_oracle(seed: int) -> None:
                 assert not kept or ranks[v] <= min(kept)  # the least demand goes first
         checked.append(victims is not None)
 
-    policy = EpochPolicy()
-    resident: set[int] = set()
-    for t, (job, key) in enumerate(trace):
-        reads_so_far[job].append(key)
-        hit = key in resident
-        policy.accessed(key, hit, job)
-        if hit:
-            continue
-        victims = policy.admit(key, 1, 10 - len(resident))
-        check(t, key, victims, resident)
-        if victims is None:
-            continue
-        for v in victims:
-            resident.remove(v)
-            policy.removed(v)
-        resident.add(key)
-        policy.inserted(key, 1)
+    drive(EpochPolicy(), trace, 10, check)
     assert any(checked) and not all(checked)  # both admissions and refusals were checked
 
 

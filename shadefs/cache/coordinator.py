@@ -39,7 +39,7 @@ from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
-from shadefs.sampling.jobs import JobTable
+from shadefs.sampling.jobs import Job, JobTable
 from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
@@ -167,7 +167,8 @@ class Cache:
 
     async def open(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> bytes | None:
         """The file's bytes for a new handle, or None when it must be read through; `pid`
-        is the reading thread (its job is looked up in `jobs`)."""
+        is the reading thread (its job is looked up in `jobs`). The bytes returned are
+        pinned for the handle (`unpin` them when it is released)."""
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
@@ -186,9 +187,21 @@ class Cache:
                     ssd.policy.accessed(key, key in ssd.index, job)
                 reader.hits += 1
                 reader.bytes += st.st_size
+                self.handles.pin(entry.data, True)
                 return entry.data
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
+        data = await self._miss(key, path, st, sig, reader)
+        if data is not None:
+            entry = self.entries.get(key)
+            self.handles.pin(data, entry is not None and entry.data is data)
+        return data
+
+    async def _miss(
+        self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job
+    ) -> bytes | None:
+        """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
+        ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
         if ssd is not None and st.st_size <= ssd.max_entry:
             data = await ssd.lookup(key, path, sig, job)
@@ -310,11 +323,6 @@ class Cache:
         self.used -= len(entry.data)
         self.policy.removed(key)
         self.handles.evicted(entry.data)
-
-    def pin(self, key: int, data: bytes) -> None:
-        """A new handle holds `data`, which `open(key)` returned."""
-        entry = self.entries.get(key)
-        self.handles.pin(data, entry is not None and entry.data is data)
 
     def unpin(self, data: bytes) -> None:
         """A handle that held `data` was released."""

@@ -24,6 +24,8 @@ import pyfuse3
 import trio
 from pyfuse3 import FileHandleT, InodeT
 
+from shadefs.fs.records import statfs_reply
+
 log = logging.getLogger(__name__)
 
 STATS_XATTR = b"user.slowfs.stats"
@@ -234,20 +236,7 @@ class SlowOperations(pyfuse3.Operations):
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         st = os.statvfs(self.source)
-        data = pyfuse3.StatvfsData()
-        for name in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-            "f_namemax",
-        ):
-            setattr(data, name, getattr(st, name))
-        return data
+        return statfs_reply(st)
 
     # -- data ------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from shadefs.cache.ssd_format import StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
+from shadefs.fs.records import statfs_reply
 from shadefs.source import Source
 from shadefs.stats import Metrics
 
@@ -188,20 +189,7 @@ class Operations(pyfuse3.Operations):
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = await self.source.statvfs()
-        out = pyfuse3.StatvfsData()
-        for field in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-            "f_namemax",
-        ):
-            setattr(out, field, getattr(sv, field))
-        return out
+        return statfs_reply(sv)
 
     async def getxattr(self, inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if Control.owns(inode):
@@ -238,8 +226,7 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         if data is not None:
-            self._mem[fh] = memoryview(data)
-            self.cache.pin(inode, data)
+            self._mem[fh] = memoryview(data)  # pinned by cache.open, unpinned at release
             # Without keep_cache the kernel drops the file's old pages as it opens it: the
             # page-cache invalidation of a changed file, with no reverse call that could
             # deadlock against a read in flight (reference/fuse-anchors.md §2).

@@ -1,5 +1,5 @@
-"""Records built from snapshot rows on demand: FUSE attributes, a node as callers see it,
-and `resolve`'s answer arrays."""
+"""Records built on demand: FUSE attributes from snapshot rows, a node as callers see it,
+`resolve`'s answer arrays, and statfs replies."""
 
 from __future__ import annotations
 
@@ -116,3 +116,24 @@ def by_parent(
     for i, (parent, _, _) in enumerate(splits):
         groups.setdefault(parent, []).append(i)
     return splits, groups
+
+
+_STATVFS_FIELDS = (
+    "f_bsize",
+    "f_frsize",
+    "f_blocks",
+    "f_bfree",
+    "f_bavail",
+    "f_files",
+    "f_ffree",
+    "f_favail",
+    "f_namemax",
+)
+
+
+def statfs_reply(sv: os.statvfs_result) -> pyfuse3.StatvfsData:
+    """The FUSE statfs answer of a filesystem's statvfs (the mount and the emulator)."""
+    out = pyfuse3.StatvfsData()
+    for field in _STATVFS_FIELDS:
+        setattr(out, field, getattr(sv, field))
+    return out
