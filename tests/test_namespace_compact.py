@@ -52,6 +52,49 @@ def test_inode_table_deletes_inside_probe_runs_and_across_the_wrap() -> None:
             assert table.get(k) == (-1 if k in popped else k), (gone, k)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 200), max_size=60),
+    st.lists(st.lists(st.integers(1, 200), max_size=40), max_size=6),
+)
+def test_inode_table_adds_a_batch_as_setdefault_does(
+    before: list[int], batches: list[list[int]]
+) -> None:
+    # Repeats inside a batch (hard links in one directory) and keys already there.
+    table, model = InodeTable(bits=2), {}
+    for key in before:
+        table.set(key, key)
+        model[key] = key
+    for b, batch in enumerate(batches):
+        rows = list(range(100, 100 + len(batch)))
+        known = table.add_rows(np.array(batch, dtype=np.uint64), rows, b + 1 << 32)
+        expect = []
+        for k, key in enumerate(batch):
+            if key in model:
+                expect.append(k)
+            else:
+                model[key] = (b + 1) << 32 | rows[k]
+        assert known == expect
+        assert len(table) == len(model)
+    for key in range(1, 201):
+        assert table.get(key) == model.get(key, -1)
+
+
+async def test_hard_links_in_one_directory_hold_a_reference_each(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"d/a": b"x", "d/c": b"y"})
+    os.link(src / "d" / "a", src / "d" / "b")
+    ops, svc = make_fs(src)
+    ns = svc.namespace
+    d = await lookup_path(ops, "d")
+    assert await readdir_names(ops, d) == [b"a", b"b", b"c"]
+    ino = ns.ino_of((src / "d" / "a").lstat())
+    assert ns.node(ino).lookups == 2  # readdirplus handed out a and b: two references
+    await ops.forget([(ino, 1)])
+    assert ns.node(ino).lookups == 1
+    await ops.forget([(ino, 1)])
+    assert ino not in ns.table
+
+
 def test_snapshot_finds_names_by_binary_search(tmp_path: Path) -> None:
     names = sorted([b"a", b"ab", b"b", b"\xff\xfe", b"z" * 200, b"m"])
     entries = [(n, os.lstat(tmp_path)) for n in names]

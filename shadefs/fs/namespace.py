@@ -239,18 +239,23 @@ class Namespace:
         seg[owned] += 1
         if owned.all():
             return
-        table, key = self.table, snap.slot << 32
-        inos = snap.ino[lo:hi].tolist()
-        added = []
-        for k in np.flatnonzero(~owned).tolist():
-            if table.setdefault(inos[k], key | (lo + k)) < 0:
-                added.append(lo + k)
-            else:  # known elsewhere (a refreshed listing, a hard link, a reused number)
-                self.remember(inos[k], snap, lo + k)
-        if added:
-            snap.lookups[added] = 1
-            snap.checked[added] = snap.stamp
-            snap.refs += len(added)
+        rows: Sequence[int]
+        if owned.any():
+            rows = (lo + np.flatnonzero(~owned)).tolist()
+            inos = snap.ino[rows]
+        else:  # the usual case: a listing read for the first time
+            rows, inos = range(lo, hi), snap.ino[lo:hi]
+        known = self.table.add_rows(inos, rows, snap.slot << 32)
+        added = np.asarray(rows, dtype=np.intp)
+        if known:
+            added = np.delete(added, known)
+        snap.lookups[added] = 1
+        snap.checked[added] = snap.stamp
+        snap.refs += len(added)
+        # Known elsewhere (a refreshed listing, a hard link, a reused number): one by one,
+        # once the new rows hold their first reference.
+        for k in known:
+            self.remember(int(inos[k]), snap, rows[k])
 
     def _move(self, ino: int, old: Snapshot, oi: int, new: Snapshot, i: int, t: float) -> None:
         self._opened.pop(ino, None)
@@ -401,10 +406,6 @@ class Namespace:
         self.changed_files += 1
         log.info("%r changed on the source: refetching", path)
         return Stat.of(st), True
-
-    def attrs_of_row(self, ino: int, row: tuple[int, ...]) -> pyfuse3.EntryAttributes:
-        """attrs() of a snapshot row's tolist() (readdir's loop: no Stat built)."""
-        return records.attrs_of_row(ino, row, self.timeout)
 
     def attrs(self, ino: int, st: Stat | os.stat_result) -> pyfuse3.EntryAttributes:
         return records.attrs(ino, st, self.timeout)

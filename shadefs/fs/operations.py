@@ -35,7 +35,7 @@ from shadefs.cache.ssd_format import StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
-from shadefs.fs.records import statfs_reply
+from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.source import Source
 from shadefs.stats import Metrics
 
@@ -168,7 +168,7 @@ class Operations(pyfuse3.Operations):
                 if i >= start_id and not pyfuse3.readdir_reply(token, name, dot, i + 1):
                     return
             start_id = 2
-        attrs_of_row, remember_rows = self.ns.attrs_of_row, self.ns.remember_rows
+        remember_rows, timeout = self.ns.remember_rows, self.ns.timeout
         names, offs, n = listing.names, listing.offs, len(listing)
         # Rows are converted a chunk at a time: the kernel's buffer takes a few dozen.
         for lo in range(start_id - 2, n, _READDIR_CHUNK):
@@ -178,7 +178,9 @@ class Operations(pyfuse3.Operations):
             for k in range(hi - lo):
                 i = lo + k
                 name = names[offs[i] : offs[i + 1]]
-                if not pyfuse3.readdir_reply(token, name, attrs_of_row(inos[k], rows[k]), i + 3):
+                if not pyfuse3.readdir_reply(
+                    token, name, attrs_of_row(inos[k], rows[k], timeout), i + 3
+                ):
                     # Accepted readdirplus entries are lookups: the kernel will forget them.
                     remember_rows(listing, lo, i)
                     return

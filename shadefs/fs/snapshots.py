@@ -21,6 +21,7 @@ import itertools
 import operator
 import os
 from array import array
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -44,8 +45,9 @@ STAT_DTYPE = np.dtype(
 )
 
 
-_FIELDS = operator.attrgetter(*(STAT_DTYPE.names or ()))
-_NFIELDS = len(STAT_DTYPE.names or ())
+# One C-level read of a stat_result: the row's fields, then st_dev.
+_FIELDS = operator.attrgetter(*(STAT_DTYPE.names or ()), "st_dev")
+_SCAN_DTYPE = np.dtype([(f, "<i8") for f in (*(STAT_DTYPE.names or ()), "st_dev")])
 
 
 class Stat(NamedTuple):
@@ -74,21 +76,17 @@ def scan_rows(
 ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
     """(names, rows, st_dev per row) of a sorted listing; runs in the source's thread."""
     names = [e[0] for e in entries]
-    n = len(entries)
-    devs = np.fromiter((e[1].st_dev for e in entries), dtype=np.uint64, count=n)
     try:
-        # One C-level pass over the fields into an int64 matrix, then one cast per column.
-        flat = np.fromiter(
-            itertools.chain.from_iterable(map(_FIELDS, (e[1] for e in entries))),
-            dtype=np.int64,
-            count=n * _NFIELDS,
-        ).reshape(n, _NFIELDS)
+        # One C-level pass into int64 records, then one cast to the row layout: a first
+        # walk pays this for every file, in the worker thread that holds the GIL.
+        scan = np.fromiter(
+            map(_FIELDS, (e[1] for e in entries)), dtype=_SCAN_DTYPE, count=len(entries)
+        )
     except OverflowError:  # a field above 2^63 (an odd st_ino or st_rdev): field by field
+        devs = np.array([e[1].st_dev for e in entries], dtype=np.uint64)
         return names, np.array([_row(e[1]) for e in entries], dtype=STAT_DTYPE), devs
-    rows = np.empty(n, dtype=STAT_DTYPE)
-    for k, name in enumerate(STAT_DTYPE.names or ()):
-        rows[name] = flat[:, k]
-    return names, rows, devs
+    rows = scan[list(STAT_DTYPE.names or ())].astype(STAT_DTYPE)
+    return names, rows, scan["st_dev"].astype(np.uint64)
 
 
 def _row(st: os.stat_result) -> tuple[int, ...]:
@@ -270,6 +268,34 @@ class InodeTable:
         if self._n * 3 > (mask + 1) * 2:
             self._resize(self._bits + 1)
         return -1
+
+    def add_rows(self, inos: np.ndarray, rows: Sequence[int], key: int) -> list[int]:
+        """`setdefault(inos[k], key | rows[k])` for each k; the k whose ino was there already
+        (or repeats in `inos`). The homes are hashed in numpy and the probing is one plain
+        loop: a readdirplus batch adds a few dozen entries, too few for numpy rounds to
+        beat it, and a method call per entry would add a tenth to a first walk."""
+        while (self._n + len(inos)) * 3 > (self._mask + 1) * 2:
+            self._resize(self._bits + 1)
+        keys, vals, mask = self._keys, self._vals, self._mask
+        inos = np.asarray(inos, dtype=np.uint64)
+        homes = ((inos * np.uint64(_GOLDEN)) >> np.uint64(64 - self._bits)).tolist()
+        known = []
+        n = self._n
+        for k, ino in enumerate(inos.tolist()):
+            i = homes[k]
+            while True:
+                cur = keys[i]
+                if cur == ino:
+                    known.append(k)
+                    break
+                if cur == 0:
+                    keys[i] = ino
+                    vals[i] = key | rows[k]
+                    n += 1
+                    break
+                i = (i + 1) & mask
+        self._n = n
+        return known
 
     def pop(self, ino: int) -> int:
         """Remove `ino`; its value, or -1 when it was not there."""
