@@ -234,6 +234,34 @@ class Resolver:
         finally:
             os.close(fd)
 
+    def xattr_presence(self, rel: bytes, names: list[bytes]) -> list[int]:
+        """For each entry of directory `rel`: 0 when it has no extended attributes, 1 when
+        it has some, -1 when that could not be told (ask again one by one).
+
+        One descriptor of the directory (opened beneath the root like every other); each
+        entry is named through /proc/self/fd/N/NAME with llistxattr, which follows the
+        magic link to that directory and no symlink after it, so nothing outside the
+        directory is read whatever the entry has become since the listing.
+        """
+        fd = self.open(rel, DIR_READ)
+        out = []
+        try:
+            for name in names:
+                if not name or b"/" in name or name in (b".", b".."):
+                    out.append(-1)
+                    continue
+                try:
+                    out.append(
+                        1
+                        if os.listxattr(b"/proc/self/fd/%d/%s" % (fd, name), follow_symlinks=False)
+                        else 0
+                    )
+                except OSError:
+                    out.append(-1)
+        finally:
+            os.close(fd)
+        return out
+
     def _xattr_fd(self, rel: bytes) -> int | None:
         """A read descriptor of a regular file or directory, None for anything else.
 

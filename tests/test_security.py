@@ -193,6 +193,11 @@ async def test_xattrs_are_the_files_own(tree: tuple[Path, Path], use_openat2: bo
     with pytest.raises(pyfuse3.FUSEError) as e:
         await s.getxattr(b"dlink/f.txt", b"user.shade")
     assert errno_of(e) == errno.ELOOP
+    # The per-directory presence scan (ls -l's shortcut) names entries without following.
+    assert s.paths.xattr_presence(b"c2", [b"a.txt"]) == [1]
+    assert s.paths.xattr_presence(b"", [b"flink", b"dlink", b"..", b"c2/a.txt"]) == [0, 0, -1, -1]
+    with pytest.raises(OSError):
+        s.paths.xattr_presence(b"dlink", [b"f.txt"])
 
 
 def test_openat2_missing_falls_back_to_the_walk(

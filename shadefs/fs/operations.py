@@ -36,6 +36,7 @@ from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.fs.records import attrs_of_row, statfs_reply
+from shadefs.fs.xattrs import Xattrs
 from shadefs.source import Source
 from shadefs.stats import Metrics
 
@@ -116,6 +117,7 @@ class Operations(pyfuse3.Operations):
         self.control = control
         self.metrics = metrics
         self.source = source
+        self.xattrs = Xattrs(ns, source)
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
         self._next_fh = 1
@@ -196,12 +198,12 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if Control.owns(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
-        return await self.source.getxattr(self.ns.path(inode), name)
+        return await self.xattrs.get(inode, name)
 
     async def listxattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if Control.owns(inode):
             return []
-        return await self.source.listxattr(self.ns.path(inode))
+        return await self.xattrs.names(inode)
 
     # --- data -------------------------------------------------------------------------
 

@@ -117,6 +117,7 @@ class Snapshot:
     :rows: STAT_DTYPE[n]; :ino: the FUSE inode number of each row (uint64[n])
     :lookups: the kernel's references to each row's inode (uint32[n])
     :checked: time.monotonic() of each row's last signature check (float64[n])
+    :xattrs: whether each row has extended attributes, once asked (fs/xattrs.py)
     :refs: how many inode-table entries point into this snapshot
     :slot: its index in the namespace's snapshot list
     """
@@ -130,6 +131,7 @@ class Snapshot:
         "ino",
         "lookups",
         "checked",
+        "xattrs",
         "stamp",
         "refs",
         "slot",
@@ -153,6 +155,7 @@ class Snapshot:
         n = len(names)
         self.lookups = np.zeros(n, dtype=np.uint32)
         self.checked = np.full(n, stamp, dtype=np.float64)
+        self.xattrs: np.ndarray | None = None  # fs/xattrs.py's "has none" flags, int8[n]
         self.stamp = stamp
         self.refs = 0
         self.slot = 0
