@@ -163,7 +163,8 @@ REVALIDATE = Option(
     name="revalidate", default=3600.0, parse=parse_float, metavar="S",
     help="seconds before a file is checked against SRC again", shown="3600",
     meaning="after S seconds a file's signature is checked against SRC on open, and a "
-    "directory listing is refreshed; also the kernel's entry/attribute timeout",
+    "directory listing is refreshed (with it, which entries have no extended attributes); "
+    "also the kernel's entry/attribute timeout",
 )
 PREFETCH = Option(
     name="prefetch", default=True, parse=on_off, negatable=True,

@@ -16,6 +16,7 @@ in directories of PER_DIR files, mounts it, and reports:
 - `find` and `ls -lR` (of the first LS_DIRS directories) through the mount and directly, in
   turns; with --compare-with, a second daemon from another checkout (say the commit before a
   change) is mounted beside this one and measured the same way, so ratios compare in one run;
+- `getxattr` of an absent attribute on every file of two directories `ls` did not visit;
 - the PADS global order build time for FILES samples, in this process.
 
 Times depend on the machine's load (say whether it was shared); byte counts do not.
@@ -85,6 +86,16 @@ def ls_lr(tops: list[Path]) -> float:
     t0 = time.perf_counter()
     subprocess.run(["ls", "-lR", *map(str, tops)], stdout=subprocess.DEVNULL, check=True)
     return time.perf_counter() - t0
+
+
+def getxattr_us(tops: list[Path]) -> float:
+    """Microseconds per getxattr of an absent attribute, over every file of `tops`."""
+    files = [str(top / name) for top in tops for name in os.listdir(top)]
+    t0 = time.perf_counter()
+    for f in files:
+        with contextlib.suppress(OSError):
+            os.getxattr(f, "user.shadefs-bench", follow_symlinks=False)
+    return (time.perf_counter() - t0) / len(files) * 1e6
 
 
 def _mount(stack: contextlib.ExitStack, src: Path, mnt: Path, pythonpath: str | None) -> int:
@@ -180,6 +191,11 @@ def main() -> None:
                     f"(ratio {m_find / d_find:.1f}); ls -lR of {len(dirs)} dirs "
                     f"{m_ls:.2f} s vs {d_ls:.2f} s direct (ratio {m_ls / d_ls:.1f})"
                 )
+        # Directories that ls -lR did not visit: each mount's first getxattr there.
+        more = sorted({r.split("/")[0] for r in rels})[args.ls_dirs : args.ls_dirs + 2]
+        for label, mnt in mnts.items():
+            us = getxattr_us([mnt / d for d in more])
+            print(f"[{label}] getxattr of an absent attribute: {us:.0f} us")
 
     scores = np.ones(n, dtype=np.float64)
     resident = np.zeros(n, dtype=bool)
