@@ -31,8 +31,9 @@ from typing import overload
 
 import numpy as np
 
-from shadefs.sampling import pads, wire
+from shadefs.sampling import pads, placement, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
+from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.stats import SamplerStats
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class Sampling:
         self.reports = 0
         self.last_report: dict[str, float] = {}
         self._orders: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
+        # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share.
+        self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
+        # (owner node of each sample, this node's index) once a multi-node job installed one.
+        self.partition: tuple[np.ndarray, int] | None = None
 
     @property
     def n(self) -> int:
@@ -145,6 +150,8 @@ class Sampling:
         self._sorted_ids = order.astype(np.int64)
         self.table = ImportanceTable(len(paths))
         self._orders.clear()
+        self._shares.clear()
+        self.partition = None
         self.registered_at = time.time()
         log.info("registered a dataset of %d samples", len(paths))
 
@@ -216,6 +223,10 @@ class Sampling:
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
+        shares = self._shares.get((request.epoch, request.seed, request.world_size))
+        if shares is not None:
+            self.orders_served += 1
+            return shares[request.rank]
         seed = -1 if group else request.seed  # a group's order: whichever seed came first
         cache_key = (group, request.epoch, seed, request.world_size)
         full = self._orders.get(cache_key)
@@ -240,6 +251,37 @@ class Sampling:
                 self._orders.popitem(last=False)
         self.orders_served += 1
         return pads.rank_slice(full, request.world_size, request.rank)
+
+    def install(self, msg: NodeOrder) -> np.ndarray:
+        """Adopt a multi-node job's epoch: the global order (built here from the union of
+        every node's residency when the message carries none), each rank's locality-aware
+        share of it, and the ownership of the samples. Returns the global order."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        self.begin_epoch(msg.epoch)
+        order = msg.order
+        if not len(order):
+            params = pads.OrderParams(
+                epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=self.r
+            )
+            union = np.any(msg.resident, axis=0)
+            order = pads.build_global_order(self.table.scores, np.asarray(union), params)
+        owner = placement.owners(msg.node_ids, self.n)
+        self.partition = (owner, msg.me)
+        shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+        self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
+        while len(self._shares) > _ORDERS_KEPT:
+            self._shares.popitem(last=False)
+        return order
+
+    def owns_key(self, key: int) -> bool:
+        """Whether this node should cache key `key`: in a multi-node job, only the samples
+        it owns (and files outside the dataset); otherwise everything."""
+        if self.partition is None:
+            return True
+        sid = self.sample_of(key) if key >= 0 else -1
+        owner, me = self.partition
+        return sid < 0 or int(owner[sid]) == me
 
     def describe(self) -> SamplerStats:
         return SamplerStats(
