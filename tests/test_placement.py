@@ -181,6 +181,14 @@ def test_owned_admits_guests_only_into_free_room_and_evicts_them_first() -> None
     p.reclassify()
     assert list(p.guests) == [2]
     assert p.shrink(1) == [2]
+    # A guest not yet read this epoch is one of this node's hits to come: the inner policy
+    # weighs it like any entry (shade: ties stay). Once read, it is the first to go.
+    assert p.admit(3, 5, free=0) is None
+    p.accessed(2, True)
+    assert p.read == {2: None}
+    assert p.admit(3, 5, free=0) == [2]
+    p.begin_epoch(1)
+    assert p.admit(3, 5, free=0) is None
     epoch = make_policy("epoch", owns=lambda k: True)
     assert isinstance(epoch.inner, EpochPolicy) and epoch.job_epochs() == {}
     assert epoch.epoch == epoch.inner.epoch  # policy state reads through
