@@ -5,7 +5,7 @@ independent caches, through N shadefs mounts over one emulated slow remote.
         [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1]
     python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8]
 
-Each "node" is a shadefs mount (policy `shade`, RAM for `fraction` of the bytes) over one
+Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fraction` of the bytes) over one
 slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency and one shared
 bandwidth cap); the ranks are processes of a gloo world (torch.multiprocessing), each
 reading through its node's mount with ShadeSampler and reporting per-sample losses (a fixed
@@ -157,7 +157,7 @@ def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], 
     tag = "partitioned" if partitioned else "independent"
     mounts = [tmp / f"{tag}-node{k}" for k in range(args.nodes)]
     log = tmp / f"{tag}.log"
-    opts = ["--ram", str(ram), "--policy", "shade"]
+    opts = ["--ram", str(ram), "--policy", args.policy]
     if not args.prefetch:
         opts.append("--no-prefetch")
     with contextlib.ExitStack() as stack:
@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.2, help="RAM per node / dataset")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--replay", type=float, default=1.0)
+    ap.add_argument("--policy", default="shade", help="every mount's policy")
     ap.add_argument("--prefetch", action="store_true", help="leave prefetching on")
     ap.add_argument("--open-latency", type=float, default=2.0, help="slowfs ms per open")
     ap.add_argument("--bandwidth", type=float, default=200.0, help="slowfs MB/s")
@@ -245,7 +246,7 @@ def main() -> None:
         print(
             f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.files} files, "
             f"{total / 1e6:.1f} MB, RAM per node {ram / 1e6:.1f} MB (f = {args.fraction}), "
-            f"ShadeSampler replay {args.replay:g}, policy shade, {args.epochs} epochs, "
+            f"ShadeSampler replay {args.replay:g}, policy {args.policy}, {args.epochs} epochs, "
             f"prefetch {'on' if args.prefetch else 'off'}; remote: slowfs "
             f"{args.open_latency:g} ms/open, {args.bandwidth:g} MB/s shared"
         )
