@@ -5,12 +5,13 @@ independent caches, through N shadefs mounts over one emulated slow remote.
         [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1]
     python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8]
 
-Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fraction` of the bytes) over one
-slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency and one shared
-bandwidth cap); the ranks are processes of a gloo world (torch.multiprocessing), each
-reading through its node's mount with ShadeSampler and reporting per-sample losses (a fixed
-synthetic difficulty per sample).  Before the job, node k reads the k-th 1/N of the data,
-so the caches start out holding different files.  Two runs over fresh mounts:
+Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fraction` of the
+bytes) over one slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency
+and one shared bandwidth cap); the ranks are processes of a gloo world
+(torch.multiprocessing), each reading through its node's mount with ShadeSampler and
+reporting per-sample losses (a fixed synthetic difficulty per sample). Before the job, node
+k reads the k-th 1/N of the data, so the caches start out holding different files. Two runs
+over fresh mounts:
 
 - ``partitioned``: this version (one global order from every node's residency, owners by
   rendezvous hash, each rank's share led by its node's cached samples);
