@@ -175,7 +175,6 @@ def test_owned_admits_guests_only_into_free_room_and_evicts_them_first() -> None
     assert p.admit(3, 5, free=0) is None  # then the inner policy decides (shade: ties stay)
     assert p.shrink(5) in ([1], [2])
     p.accessed(1, True)
-    assert p.accessed == p.inner.accessed  # the hit path calls the inner policy directly
     # Ownership changes: the resident entries are sorted again.
     owned.discard(2)
     p.reclassify()
@@ -189,6 +188,14 @@ def test_owned_admits_guests_only_into_free_room_and_evicts_them_first() -> None
     assert p.admit(3, 5, free=0) == [2]
     p.begin_epoch(1)
     assert p.admit(3, 5, free=0) is None
+    # A policy made while ownership is in force (`ctl policy ...`) notes reads of guests.
+    fresh = make_policy("shade", score=lambda k: 0.5, owns=lambda k: k in owned)
+    fresh.inserted(2, 5)
+    fresh.begin_epoch(2)
+    fresh.accessed(2, True)
+    assert fresh.read == {2: None}
     epoch = make_policy("epoch", owns=lambda k: True)
     assert isinstance(epoch.inner, EpochPolicy) and epoch.job_epochs() == {}
+    # Without guests (no multi-node job) a hit calls the inner policy directly.
+    assert epoch.accessed == epoch.inner.accessed
     assert epoch.epoch == epoch.inner.epoch  # policy state reads through

@@ -50,13 +50,18 @@ class Owned(Policy):
     def inserted(self, key: int, size: int) -> None:
         self.inner.inserted(key, size)
         if not self.owns(key):
-            self.guests[key] = None
+            self._guest(key)
             self.read[key] = None  # admitted because a reader just read it
 
     def restored(self, key: int, size: int) -> None:
         self.inner.restored(key, size)
         if not self.owns(key):
-            self.guests[key] = None
+            self._guest(key)
+
+    def _guest(self, key: int) -> None:
+        self.guests[key] = None
+        # Ownership is in force (a policy made after it was installed): note reads.
+        self.__dict__.pop("accessed", None)
 
     def removed(self, key: int) -> None:
         self.inner.removed(key)
