@@ -26,7 +26,8 @@ slowest rank; 2-core machines are CPU-bound, so compare the two runs, not absolu
 ``--order-only`` instead times what one epoch's multi-node order costs at ImageNet scale,
 in process: packing every node's residency bitmap, the pickling an all-gather does,
 encoding the daemon message, unpacking it, building the global order from the union,
-ownership and every rank's share.
+ownership and every rank's share; with ``--gloo`` also the all-gather of the bitmaps and
+the broadcast of the order over a gloo world of one process per node on this machine.
 """
 
 from __future__ import annotations
@@ -101,6 +102,48 @@ def order_only(n: int, nodes: int, ranks_per_node: int, repeats: int) -> None:
     print(f"  {'total per epoch (median of ' + str(repeats) + ')':<45} {total * 1e3:8.1f} ms")
     print(f"  (first epoch only: ownership hash {first_owners * 1e3:.0f} ms, then cached)")
     print(f"  bitmap per node {wire_nodes.bitmap_bytes(n) / 1e3:.0f} kB; goal < 1 s")
+
+
+def _gloo_main(rank: int, world: int, n: int, repeats: int, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(rank)
+        bitmap = np.packbits(rng.random(n) < 0.2).tobytes()
+        order = rng.permutation(n).astype(np.int64) if rank == 0 else None
+        gather, bcast = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            got: list[Any] = [None] * world
+            dist.all_gather_object(got, bitmap)
+            t1 = time.perf_counter()
+            box = [order]
+            dist.broadcast_object_list(box, src=0)
+            t2 = time.perf_counter()
+            gather.append(t1 - t0)
+            bcast.append(t2 - t1)
+        if rank == world - 1:
+            Path(out).write_text(json.dumps([gather, bcast]))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_collectives(n: int, world: int, repeats: int) -> None:
+    """The two collectives of the step over a real gloo world on this machine (loopback)."""
+    import torch.multiprocessing as tmp_mp
+
+    with tempfile.TemporaryDirectory() as tmpdir:
+        out = os.path.join(tmpdir, "times.json")
+        rdv = os.path.join(tmpdir, "rdv")
+        tmp_mp.spawn(_gloo_main, args=(world, n, repeats, rdv, out), nprocs=world, join=True)
+        gather, bcast = json.loads(Path(out).read_text())
+    print(
+        f"gloo over loopback, {world} processes: all-gather of the bitmaps "
+        f"{statistics.median(gather) * 1e3:.1f} ms, broadcast of the order "
+        f"({8 * n / 1e6:.0f} MB) {statistics.median(bcast) * 1e3:.1f} ms (medians of {repeats})"
+    )
 
 
 # --- the mounted job ------------------------------------------------------------------------
@@ -232,10 +275,17 @@ def main() -> None:
     ap.add_argument("--order-only", action="store_true", help="time the order step only")
     ap.add_argument("--samples", type=int, default=1_281_167, help="--order-only: N")
     ap.add_argument("--repeats", type=int, default=5, help="--order-only: epochs timed")
+    ap.add_argument(
+        "--gloo",
+        action="store_true",
+        help="--order-only: also time the collectives (one process per node, gloo over loopback)",
+    )
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args()
     if args.order_only:
         order_only(args.samples, args.nodes, args.ranks_per_node, args.repeats)
+        if args.gloo:
+            gloo_collectives(args.samples, args.nodes, args.repeats)
         return
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmpdir:
