@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # How many global orders to keep (the current one and a straggler's, per group).
 _ORDERS_KEPT = 8
+# How many installed epochs of a multi-node job to keep (8 bytes per entry each).
+_SHARES_KEPT = 3
 
 
 class SamplingError(ValueError):
@@ -270,7 +272,7 @@ class Sampling:
         self.partition = (owner, msg.me)
         shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
-        while len(self._shares) > _ORDERS_KEPT:
+        while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)
         return order
 
