@@ -308,10 +308,10 @@ def main() -> None:
                 tag = "partitioned" if partitioned else "independent"
                 rows = run_job(args, tmp, remote, rels, ram, partitioned)
                 results[tag] = report(tag, rows, total, args.epochs)
-        f = args.fraction
+        f, r = args.fraction, args.replay
         print(
-            f"bound: one cache of N*f = {min(1.0, args.nodes * f):.2f} (partitioned), "
-            f"f = {f:.2f} (independent); partitioned / independent = "
+            f"bound: min(1, r*N*f) = {min(1.0, r * args.nodes * f):.2f} (partitioned), "
+            f"min(1, r*f) = {min(1.0, r * f):.2f} (independent); partitioned / independent = "
             f"{results['partitioned'] / max(results['independent'], 1e-9):.2f}x"
         )
 
