@@ -226,6 +226,10 @@ def test_a_node_admits_what_it_owns_and_evicts_its_guests_first(cluster: dict[st
     ids = tuple(placement.node_id(socket.gethostname(), str(m.mnt)) for m in cluster["nodes"])
     owned = placement.owners(ids, N) == 0
     files = ImageFolder(os.path.join(mnt, "train")).samples
+    sampler_stats = [m.stats()["sampler"] for m in cluster["nodes"]]
+    assert [(s["nodes"], s["node"]) for s in sampler_stats] == [(2, 0), (2, 1)]
+    assert sampler_stats[0]["owned"] == owned.sum()
+    assert sampler_stats[0]["owned"] + sampler_stats[1]["owned"] == N
     before = np.asarray(_bitmap(mnt, N))
     guests = before & ~owned
     assert guests.any() and (before & owned).any()  # it read half the data before the job

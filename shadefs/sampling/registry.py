@@ -126,6 +126,8 @@ class Sampling:
         self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
         # (owner node of each sample, this node's index) once a multi-node job installed one.
         self.partition: tuple[np.ndarray, int] | None = None
+        self._nodes = 0
+        self._owned = 0
 
     @property
     def n(self) -> int:
@@ -270,6 +272,8 @@ class Sampling:
             order = pads.build_global_order(self.table.scores, np.asarray(union), params)
         owner = placement.owners(msg.node_ids, self.n)
         self.partition = (owner, msg.me)
+        self._nodes = len(msg.node_ids)
+        self._owned = int(np.count_nonzero(owner == msg.me))
         shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
@@ -296,4 +300,10 @@ class Sampling:
             reports=self.reports,
             last_report=dict(self.last_report),
             table=self.table.describe() if self.n else None,
+            **self._partition_stats(),
         )
+
+    def _partition_stats(self) -> dict[str, int]:
+        if self.partition is None:
+            return {}
+        return {"nodes": self._nodes, "node": self.partition[1], "owned": self._owned}
