@@ -39,11 +39,11 @@ test: setup
 
 # The benchmarks, listed in tools/README.md. `make bench` runs the quick ones; `make bench
 # LONG=1` adds those that take many minutes: bench_ssd_hits and bench_restore (both need
-# root, and bench_restore builds a million SSD entries), bench_e2e and bench_jobs_e2e (torch
-# training), bench_namespace (builds trees of 200k and 1.28 M files) and bench_shards (writes
-# 1.9 GB of shards to the temp directory).
+# root, and bench_restore builds a million SSD entries), bench_e2e, bench_jobs_e2e and
+# bench_nodes (torch training), bench_namespace (builds trees of 200k and 1.28 M files) and
+# bench_shards (writes 1.9 GB of shards to the temp directory).
 BENCH_QUICK := bench_epochs bench_hits bench_pads bench_handlers bench_jobs
-BENCH_LONG  := bench_ssd_hits bench_e2e bench_restore bench_jobs_e2e bench_namespace bench_shards
+BENCH_LONG  := bench_ssd_hits bench_e2e bench_restore bench_jobs_e2e bench_namespace bench_shards bench_nodes
 
 bench: setup
 	@for b in $(BENCH_QUICK) $(if $(LONG),$(BENCH_LONG)); do \

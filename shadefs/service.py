@@ -27,6 +27,7 @@ import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.policies import Owned
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
@@ -39,6 +40,7 @@ from shadefs.options import MountOptions
 from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
+from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.source import Source
 from shadefs.stats import VERSION as STATS_VERSION
 from shadefs.stats import JobStats, Metrics, Stats
@@ -87,6 +89,7 @@ class Service:
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
             jobs=JobTable(opts.job_idle),
+            owns=self.sampling.owns_key,
         )
         # Read-ahead inside large files shares the prefetch window's size.
         window = prefetch.window if prefetch is not None else 0
@@ -297,6 +300,23 @@ class Service:
             plan.readers = members
             self.prefetcher.add_plan(plan)
         return share
+
+    def resident_bitmap(self, n: int) -> np.ndarray:
+        s = self.sampling
+        if n != s.n:
+            raise Rejected(f"residency asked for {n} samples, but {s.n} are registered")
+        return self._resident(s.keys)
+
+    def install_order(self, msg: NodeOrder) -> np.ndarray:
+        before = self.sampling.partition
+        with _refusing():
+            order = self.sampling.install(msg)
+        after = self.sampling.partition
+        if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
+            for policy in (self.cache.policy, self.cache.ssd.policy if self.cache.ssd else None):
+                if isinstance(policy, Owned):
+                    policy.reclassify()
+        return order
 
     def _resident(self, keys: np.ndarray) -> np.ndarray:
         return np.isin(keys, self.cache.resident_keys())

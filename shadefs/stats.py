@@ -256,6 +256,10 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
+    # A job over several nodes (mounts): how many, this one's index, the samples it owns.
+    nodes: int = 0
+    node: int = -1
+    owned: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)

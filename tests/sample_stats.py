@@ -100,6 +100,9 @@ def full(**top: Any) -> Stats:
             reports=2,
             last_report={"train_loss": 1.5},
             table=table,
+            nodes=2,
+            node=1,
+            owned=49,
         ),
         prefetch=PrefetchStats(
             plans=1,

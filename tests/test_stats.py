@@ -41,7 +41,7 @@ BLOCKS = {
 }  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",
-    "last_report", "table",
+    "last_report", "table", "nodes", "node", "owned",
 }  # fmt: skip
 TABLE = {
     "samples", "scored", "scored_fraction", "mean_score", "mean_score_scored", "max_seen",

@@ -88,6 +88,7 @@ class Cache:
         prefetch: PrefetchSettings | None = None,
         handle_limit: int | None = None,
         jobs: JobTable | None = None,
+        owns: Callable[[int], bool] | None = None,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
         key's importance to `shade`. `ssd` is an SSD tier's store, whose restored entries get
@@ -99,6 +100,7 @@ class Cache:
         self._max_entry = max_entry
         self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
+        self._owns = owns  # a multi-node job's ownership (policies/owned.py)
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -349,6 +351,7 @@ class Cache:
             by_file(score_of) if score_of is not None else None,
             by_file(pf.next_use) if pf is not None else None,
             pf.planned if pf is not None else None,
+            self._owns,
         )
 
     def _policies(self) -> list[Policy]:

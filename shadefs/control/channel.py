@@ -16,7 +16,7 @@ import numpy as np
 from shadefs.control.commands import CommandError, relpath
 from shadefs.control.entries import DATASET, LOSSES, PLAN, RESIDENCY, STREAMS, Handle
 from shadefs.control.service import ControlService
-from shadefs.sampling import wire
+from shadefs.sampling import wire, wire_nodes
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,15 @@ class Channel:
         if handle.spec is LOSSES:
             self.service.ingest_losses(message)
             return None
+        if message.startswith(wire_nodes.MAGIC_RESIDENT_REQUEST):
+            n = wire_nodes.decode_resident_request(message)
+            handle.data = wire_nodes.encode_resident(self.service.resident_bitmap(n))
+            return None
+        if message.startswith(wire_nodes.MAGIC_NODE_ORDER):
+            msg = wire_nodes.decode_node_order(message, self.service.dataset_info().samples)
+            order = self.service.install_order(msg)
+            handle.data = wire.encode_order_response(msg.epoch, order)
+            return None
         request = wire.decode_order_request(message)
         share = self.service.order(request, handle.pid)
         handle.data = wire.encode_order_response(request.epoch, share)
@@ -111,7 +120,7 @@ def _complete_messages(pending: bytearray) -> list[bytes]:
     """Split the complete wire messages off the front of `pending` (in place)."""
     out = []
     while pending:
-        length = wire.message_length(pending)
+        length = wire_nodes.message_length(pending)
         if length is None or len(pending) < length:
             break
         out.append(bytes(pending[:length]))

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from shadefs.sampling.wire import OrderRequest
+from shadefs.sampling.wire_nodes import NodeOrder
 
 RESIDENCY_STATES = ("none", "ram", "ssd", "missing")
 
@@ -147,4 +148,13 @@ class ControlService(Protocol):
         """The requesting rank's share of the epoch order, as sample ids; from then on the
         daemon prefetches it for that rank. `pid`: the requesting process (its job's group
         shares one order per epoch)."""
+        ...
+
+    def resident_bitmap(self, n: int) -> np.ndarray:
+        """bool[n]: which registered samples this node holds (Rejected unless n samples
+        are registered)."""
+        ...
+
+    def install_order(self, msg: NodeOrder) -> np.ndarray:
+        """Adopt a multi-node job's epoch (wire_nodes.py); returns the global order."""
         ...

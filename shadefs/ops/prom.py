@@ -184,6 +184,9 @@ METRICS: tuple[Sample, ...] = (
     _c("sampler.orders_served", "sampler_orders_served", "Epoch orders handed to samplers"),
     _c("sampler.losses_ingested", "sampler_losses_ingested", "Per-sample losses received"),
     _c("sampler.reports", "sampler_reports", "End-of-epoch reports received"),
+    _g("sampler.nodes", "sampler_nodes", "Nodes of the multi-node job (0: none)"),
+    _g("sampler.node", "sampler_node", "This node's index in the multi-node job (-1: none)"),
+    _g("sampler.owned", "sampler_owned", "Samples this node owns in the multi-node job"),
 )
 # JobStats field -> (kind, metric name after `job_`, help), one sample per active job.
 JOB_METRICS: dict[str, tuple[Kind, str, str]] = {

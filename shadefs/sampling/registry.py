@@ -31,14 +31,17 @@ from typing import overload
 
 import numpy as np
 
-from shadefs.sampling import pads, wire
+from shadefs.sampling import pads, placement, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
+from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.stats import SamplerStats
 
 log = logging.getLogger(__name__)
 
 # How many global orders to keep (the current one and a straggler's, per group).
 _ORDERS_KEPT = 8
+# How many installed epochs of a multi-node job to keep (8 bytes per entry each).
+_SHARES_KEPT = 3
 
 
 class SamplingError(ValueError):
@@ -119,6 +122,12 @@ class Sampling:
         self.reports = 0
         self.last_report: dict[str, float] = {}
         self._orders: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
+        # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share.
+        self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
+        # (owner node of each sample, this node's index) once a multi-node job installed one.
+        self.partition: tuple[np.ndarray, int] | None = None
+        self._nodes = 0
+        self._owned = 0
 
     @property
     def n(self) -> int:
@@ -145,6 +154,8 @@ class Sampling:
         self._sorted_ids = order.astype(np.int64)
         self.table = ImportanceTable(len(paths))
         self._orders.clear()
+        self._shares.clear()
+        self.partition = None
         self.registered_at = time.time()
         log.info("registered a dataset of %d samples", len(paths))
 
@@ -216,6 +227,10 @@ class Sampling:
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
+        shares = self._shares.get((request.epoch, request.seed, request.world_size))
+        if shares is not None:
+            self.orders_served += 1
+            return shares[request.rank]
         seed = -1 if group else request.seed  # a group's order: whichever seed came first
         cache_key = (group, request.epoch, seed, request.world_size)
         full = self._orders.get(cache_key)
@@ -241,6 +256,39 @@ class Sampling:
         self.orders_served += 1
         return pads.rank_slice(full, request.world_size, request.rank)
 
+    def install(self, msg: NodeOrder) -> np.ndarray:
+        """Adopt a multi-node job's epoch: the global order (built here from the union of
+        every node's residency when the message carries none), each rank's locality-aware
+        share of it, and the ownership of the samples. Returns the global order."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        self.begin_epoch(msg.epoch)
+        order = msg.order
+        if not len(order):
+            params = pads.OrderParams(
+                epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=self.r
+            )
+            union = np.any(msg.resident, axis=0)
+            order = pads.build_global_order(self.table.scores, np.asarray(union), params)
+        owner = placement.owners(msg.node_ids, self.n)
+        self.partition = (owner, msg.me)
+        self._nodes = len(msg.node_ids)
+        self._owned = int(np.count_nonzero(owner == msg.me))
+        shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+        self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
+        while len(self._shares) > _SHARES_KEPT:
+            self._shares.popitem(last=False)
+        return order
+
+    def owns_key(self, key: int) -> bool:
+        """Whether this node should cache key `key`: in a multi-node job, only the samples
+        it owns (and files outside the dataset); otherwise everything."""
+        if self.partition is None:
+            return True
+        sid = self.sample_of(key) if key >= 0 else -1
+        owner, me = self.partition
+        return sid < 0 or int(owner[sid]) == me
+
     def describe(self) -> SamplerStats:
         return SamplerStats(
             samples=self.n,
@@ -252,4 +300,10 @@ class Sampling:
             reports=self.reports,
             last_report=dict(self.last_report),
             table=self.table.describe() if self.n else None,
+            **self._partition_stats(),
         )
+
+    def _partition_stats(self) -> dict[str, int]:
+        if self.partition is None:
+            return {}
+        return {"nodes": self._nodes, "node": self.partition[1], "owned": self._owned}

@@ -28,9 +28,12 @@ skipped; then pass the indices the loader returned (``record(losses, indices=idx
 The released SHADE code got exactly this wrong (``reference/shade.md`` §2).
 
 Distributed jobs: every rank gets its share of one global order; losses are all-gathered
-per flush so every node's daemon ingests the whole job's losses and builds the same
-order.  Ranks that share one mount (several GPUs of one node) elect one sender, so a daemon
-never ingests a batch twice.  The constructor, ``set_epoch``, ``iter()``, ``report``,
+per flush so every node's daemon ingests the whole job's losses.  Ranks that share one
+mount (several GPUs of one node) elect one sender, so a daemon never ingests a batch twice.
+When the ranks read through several mounts (several nodes), rank 0's daemon builds each
+epoch's order from what every node holds, all daemons place it the same way, each node
+caches the samples it owns, and each rank's share holds its node's cached samples first
+(``shadefs.torch.distributed``).  The constructor, ``set_epoch``, ``iter()``, ``report``,
 ``flush`` and ``close`` are collective calls then, and every rank must record the same number
 of batches between them, which is what equal shares (the daemon pads them like
 DistributedSampler) and an equal batch size give.
@@ -41,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,6 +54,7 @@ from torch.utils.data import Sampler
 
 from shadefs.sampling import wire
 from shadefs.torch.client import CONTROL_DIR, ControlClient, find_mount
+from shadefs.torch.distributed import discover, install_epoch
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +175,8 @@ class ShadeSampler(Sampler[int]):
 
         # One sender per mount: ranks on one node that share a mount would otherwise make
         # its daemon ingest every batch (and every report) once per rank.
-        self._sender = self._elect_sender()
+        self._nodes = discover(self.mountpoint, rank, num_replicas) if self._distributed else None
+        self._sender = self._nodes is None or self._nodes.sender(rank)
         if self._sender:
             self._client.register(wire.encode_dataset(relative))
             self._client.ctl("replay auto" if replay is None else f"replay {replay:g}")
@@ -210,6 +214,11 @@ class ShadeSampler(Sampler[int]):
             log.debug("set_epoch not called; advancing to epoch %d", self.epoch)
         # Losses recorded so far should shape this order.
         self.flush()
+        if self._nodes is not None and self._nodes.count > 1:
+            # Several nodes: one global order, shares placed by what each node holds.
+            install_epoch(
+                self._client, self._nodes, self.epoch, self.seed, self.num_samples, self.rank
+            )
         self._order = self._fetch_order(self.epoch, self.rank, self.num_replicas)
         self._cursor = 0
         self._iterated = True
@@ -366,19 +375,6 @@ class ShadeSampler(Sampler[int]):
         if got_epoch != epoch:
             raise RuntimeError(f"asked {self.mountpoint} for epoch {epoch}, got {got_epoch}")
         return indices
-
-    def _elect_sender(self) -> bool:
-        if not self._distributed:
-            return True
-        st = os.stat(self.mountpoint)
-        # (host, device) names a mount: a FUSE mount has its own st_dev on its host.
-        me = (socket.gethostname(), st.st_dev, self.rank)
-        everyone: list[Any] = [None] * self.num_replicas
-        dist.all_gather_object(everyone, me)
-        first: dict[tuple[str, int], int] = {}
-        for host, dev, rank in everyone:
-            first.setdefault((host, dev), rank)
-        return first[(me[0], me[1])] == self.rank
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -22,6 +22,7 @@ from shadefs.cache.policies.base import Policy
 from shadefs.cache.policies.belady import BeladyPolicy
 from shadefs.cache.policies.epoch import EpochPolicy
 from shadefs.cache.policies.lru import LruPolicy
+from shadefs.cache.policies.owned import Owned
 from shadefs.cache.policies.shade import ShadePolicy
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "BeladyPolicy",
     "EpochPolicy",
     "LruPolicy",
+    "Owned",
     "Policy",
     "ShadePolicy",
     "make_policy",
@@ -42,10 +44,22 @@ def make_policy(
     score: Callable[[int], float] | None = None,
     next_use: Callable[[int], float] | None = None,
     planned: Callable[[np.ndarray], np.ndarray] | None = None,
+    owns: Callable[[int], bool] | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
     `belady` by `next_use` (every key infinitely far if None); `epoch` asks `planned`
-    what a sweep group's order still reads."""
+    what a sweep group's order still reads. With `owns`, admission favours the keys this
+    node owns in a multi-node job (`Owned`)."""
+    policy = _make(name, score, next_use, planned)
+    return Owned(policy, owns) if owns is not None else policy
+
+
+def _make(
+    name: str,
+    score: Callable[[int], float] | None,
+    next_use: Callable[[int], float] | None,
+    planned: Callable[[np.ndarray], np.ndarray] | None,
+) -> Policy:
     if name == "epoch":
         return EpochPolicy(planned)
     if name == "lru":

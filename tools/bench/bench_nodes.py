@@ -1,0 +1,320 @@
+"""Several nodes, one job: partitioned caching with locality-aware shares against N
+independent caches, through N shadefs mounts over one emulated slow remote.
+
+    python tools/bench/bench_nodes.py [--nodes 2] [--ranks-per-node 1] [--files 2000]
+        [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1]
+    python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8]
+
+Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fraction` of the
+bytes) over one slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency
+and one shared bandwidth cap); the ranks are processes of a gloo world
+(torch.multiprocessing), each reading through its node's mount with ShadeSampler and
+reporting per-sample losses (a fixed synthetic difficulty per sample). Before the job, node
+k reads the k-th 1/N of the data, so the caches start out holding different files. Two runs
+over fresh mounts:
+
+- ``partitioned``: this version (one global order from every node's residency, owners by
+  rendezvous hash, each rank's share led by its node's cached samples);
+- ``independent``: the same job with the multi-node step switched off, which is what the
+  ranks did before: one order, DistributedSampler-style strides, every node caching
+  whatever it reads.
+
+Reported per run: the aggregate hit ratio per epoch (all mounts' hits over all opens) and
+over epochs 2..E, bytes the remote delivered per epoch (in datasets), and epoch times (the
+slowest rank; 2-core machines are CPU-bound, so compare the two runs, not absolute times).
+
+``--order-only`` instead times what one epoch's multi-node order costs at ImageNet scale,
+in process: packing every node's residency bitmap, the pickling an all-gather does,
+encoding the daemon message, unpacking it, building the global order from the union,
+ownership and every rank's share; with ``--gloo`` also the all-gather of the bitmaps and
+the broadcast of the order over a gloo world of one process per node on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchlib import make_dataset, mounted, slowfs_mounted, slowfs_stats, stats
+
+
+def order_only(n: int, nodes: int, ranks_per_node: int, repeats: int) -> None:
+    from shadefs.sampling import pads, placement, wire, wire_nodes
+
+    if ranks_per_node < 1 or nodes < 1:
+        raise SystemExit("need at least one node and one rank per node")
+
+    rng = np.random.default_rng(0)
+    scores = rng.random(n)
+    world = nodes * ranks_per_node
+    ids = tuple(placement.node_id(f"node{k}", "/mnt/shade") for k in range(nodes))
+    t0 = time.perf_counter()
+    owner = placement.owners(ids, n)
+    first_owners = time.perf_counter() - t0
+    holds = [(owner == k) & (rng.random(n) < 0.2 * nodes) for k in range(nodes)]
+    rank_node = np.repeat(np.arange(nodes), ranks_per_node)
+    phases: dict[str, list[float]] = {}
+
+    def timed(name: str, t: float) -> float:
+        now = time.perf_counter()
+        phases.setdefault(name, []).append(now - t)
+        return now
+
+    keys = rng.permutation(n * 2)[:n].astype(np.uint64)  # cache keys are inode numbers
+    cached = keys[holds[0]]
+    for epoch in range(repeats):
+        t = time.perf_counter()
+        np.packbits(np.isin(keys, cached))  # the daemon's Service.resident_bitmap
+        t = timed("residency bitmap in one daemon", t)
+        bitmaps = [wire_nodes.encode_resident(h)[16:] for h in holds]
+        t = timed("pack bitmaps (every node's, in one process)", t)
+        gathered = pickle.loads(pickle.dumps(bitmaps))  # what all_gather_object does
+        t = timed("all-gather pickling", t)
+        msg = wire_nodes.encode_node_order(epoch, 1, 0, ids, rank_node, gathered, n)
+        node = wire_nodes.decode_node_order(msg, n)
+        t = timed("daemon message encode + decode", t)
+        params = pads.OrderParams(epoch=epoch, seed=1, world_size=world, rank=0, replay=1.0)
+        order = pads.build_global_order(scores, np.any(node.resident, axis=0), params)
+        t = timed("global order from the union (rank 0)", t)
+        response = wire.encode_order_response(epoch, order)
+        wire.decode_order_response(response, n)
+        box = pickle.loads(pickle.dumps([order]))  # what broadcast_object_list does
+        t = timed("order response + broadcast pickling", t)
+        shares = placement.locality_shares(box[0], node.resident, node.rank_node, owner)
+        t = timed("ownership + every rank's share (per node)", t)
+        assert sum(len(s) for s in shares) >= n
+    total = 0.0
+    print(f"multi-node order, N={n}, {nodes} nodes x {ranks_per_node} ranks, replay 1:")
+    for name, times in phases.items():
+        med = statistics.median(times)
+        total += med
+        print(f"  {name:<45} {med * 1e3:8.1f} ms")
+    print(f"  {'total per epoch (median of ' + str(repeats) + ')':<45} {total * 1e3:8.1f} ms")
+    print(f"  (first epoch only: ownership hash {first_owners * 1e3:.0f} ms, then cached)")
+    print(f"  bitmap per node {wire_nodes.bitmap_bytes(n) / 1e3:.0f} kB; goal < 1 s")
+
+
+def _gloo_main(rank: int, world: int, n: int, repeats: int, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(rank)
+        bitmap = np.packbits(rng.random(n) < 0.2).tobytes()
+        order = rng.permutation(n).astype(np.int64) if rank == 0 else None
+        gather, bcast = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            got: list[Any] = [None] * world
+            dist.all_gather_object(got, bitmap)
+            t1 = time.perf_counter()
+            box = [order]
+            dist.broadcast_object_list(box, src=0)
+            t2 = time.perf_counter()
+            gather.append(t1 - t0)
+            bcast.append(t2 - t1)
+        if rank == world - 1:
+            Path(out).write_text(json.dumps([gather, bcast]))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_collectives(n: int, world: int, repeats: int) -> None:
+    """The two collectives of the step over a real gloo world on this machine (loopback)."""
+    import torch.multiprocessing as tmp_mp
+
+    with tempfile.TemporaryDirectory() as tmpdir:
+        out = os.path.join(tmpdir, "times.json")
+        rdv = os.path.join(tmpdir, "rdv")
+        tmp_mp.spawn(_gloo_main, args=(world, n, repeats, rdv, out), nprocs=world, join=True)
+        gather, bcast = json.loads(Path(out).read_text())
+    print(
+        f"gloo over loopback, {world} processes: all-gather of the bitmaps "
+        f"{statistics.median(gather) * 1e3:.1f} ms, broadcast of the order "
+        f"({8 * n / 1e6:.0f} MB) {statistics.median(bcast) * 1e3:.1f} ms (medians of {repeats})"
+    )
+
+
+# --- the mounted job ------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shadefs.torch.sampler as sampler_mod
+    from shadefs.torch import ShadeSampler
+
+    if not cfg["partitioned"]:
+        sampler_mod.install_epoch = lambda *a, **k: None  # type: ignore[assignment]
+    dist.init_process_group("gloo", init_method=f"file://{cfg['rdv']}", rank=rank, world_size=world)
+    try:
+        node = rank // cfg["ranks_per_node"]
+        mnt = cfg["mounts"][node]
+        paths = [os.path.join(mnt, r) for r in cfg["rels"]]
+        sampler = ShadeSampler(paths, mountpoint=mnt, seed=1, replay=cfg["replay"])
+        times = []
+        for epoch in range(cfg["epochs"]):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for start in range(0, len(order), 32):
+                idx = np.asarray(order[start : start + 32])
+                for i in idx:
+                    with open(paths[i], "rb", buffering=0) as f:
+                        f.read()
+                loss = ((idx * 7919) % 101 / 10.0).astype(np.float32)
+                sampler.record(torch.from_numpy(loss))
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+            sampler.report(train_loss=1.0 / (epoch + 1))
+            dist.barrier()
+            if rank == 0:
+                snap = [stats(Path(m)) for m in cfg["mounts"]]
+                remote = slowfs_stats(Path(cfg["remote"]))
+                row = [epoch, times[-1], [(s["hits"], s["misses"]) for s in snap], remote["bytes"]]
+                with open(cfg["log"], "a") as out:
+                    out.write(json.dumps(row) + "\n")
+            dist.barrier()
+        sampler.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], ram: int,
+            partitioned: bool) -> list[Any]:  # fmt: skip
+    import torch.multiprocessing as tmp_mp
+
+    tag = "partitioned" if partitioned else "independent"
+    mounts = [tmp / f"{tag}-node{k}" for k in range(args.nodes)]
+    log = tmp / f"{tag}.log"
+    opts = ["--ram", str(ram), "--policy", args.policy]
+    if not args.prefetch:
+        opts.append("--no-prefetch")
+    with contextlib.ExitStack() as stack:
+        for m in mounts:
+            stack.enter_context(mounted(remote, m, *opts))
+        # Node k first reads part k: the caches start out holding different files.
+        for k, m in enumerate(mounts):
+            part = rels[k * len(rels) // args.nodes : (k + 1) * len(rels) // args.nodes]
+            for rel in part:
+                (m / rel).read_bytes()
+        base = [stats(m) for m in mounts]
+        remote0 = slowfs_stats(remote)["bytes"]
+        cfg = {
+            "partitioned": partitioned,
+            "rdv": str(tmp / f"{tag}.rdv"),
+            "mounts": [str(m) for m in mounts],
+            "remote": str(remote),
+            "rels": rels,
+            "ranks_per_node": args.ranks_per_node,
+            "replay": args.replay,
+            "epochs": args.epochs,
+            "log": str(log),
+        }
+        world = args.nodes * args.ranks_per_node
+        tmp_mp.spawn(_rank_main, args=(world, cfg), nprocs=world, join=True)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    # Per-epoch deltas from the cumulative counters.
+    out = []
+    prev = [(s["hits"], s["misses"]) for s in base]
+    prev_bytes = remote0
+    for epoch, seconds, counts, nbytes in rows:
+        delta = [(h - ph, m - pm) for (h, m), (ph, pm) in zip(counts, prev, strict=True)]
+        out.append((epoch, seconds, delta, nbytes - prev_bytes))
+        prev, prev_bytes = counts, nbytes
+    return out
+
+
+def report(tag: str, rows: list[Any], total: int, epochs: int) -> float:
+    ratios, seconds, moved = [], [], []
+    for _, secs, delta, nbytes in rows:
+        hits = sum(h for h, _ in delta)
+        opens = sum(h + m for h, m in delta)
+        ratios.append(hits / max(opens, 1))
+        seconds.append(secs)
+        moved.append(nbytes / total)
+    steady = statistics.mean(ratios[1:]) if len(ratios) > 1 else ratios[0]
+    print(
+        f"{tag:>12}: hit ratio epochs 2-{epochs} {steady:.3f}  per epoch "
+        + " ".join(f"{r:.3f}" for r in ratios)
+        + "\n              remote bytes per epoch (datasets) "
+        + " ".join(f"{m:.2f}" for m in moved)
+        + "\n              epoch time s (slowest rank) "
+        + " ".join(f"{s:.1f}" for s in seconds)
+    )
+    return steady
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=20_000)
+    ap.add_argument("--fraction", type=float, default=0.2, help="RAM per node / dataset")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--replay", type=float, default=1.0)
+    ap.add_argument("--policy", default="shade", help="every mount's policy")
+    ap.add_argument("--prefetch", action="store_true", help="leave prefetching on")
+    ap.add_argument("--open-latency", type=float, default=2.0, help="slowfs ms per open")
+    ap.add_argument("--bandwidth", type=float, default=200.0, help="slowfs MB/s")
+    ap.add_argument("--order-only", action="store_true", help="time the order step only")
+    ap.add_argument("--samples", type=int, default=1_281_167, help="--order-only: N")
+    ap.add_argument("--repeats", type=int, default=5, help="--order-only: epochs timed")
+    ap.add_argument(
+        "--gloo",
+        action="store_true",
+        help="--order-only: also time the collectives (one process per node, gloo over loopback)",
+    )
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args()
+    if args.order_only:
+        order_only(args.samples, args.nodes, args.ranks_per_node, args.repeats)
+        if args.gloo:
+            gloo_collectives(args.samples, args.nodes, args.repeats)
+        return
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmpdir:
+        tmp = Path(tmpdir)
+        src = tmp / "src"
+        rels = make_dataset(src, args.files, args.size, jitter=0.5, seed=0)
+        total = sum((src / r).stat().st_size for r in rels)
+        ram = int(total * args.fraction)
+        print(
+            f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.files} files, "
+            f"{total / 1e6:.1f} MB, RAM per node {ram / 1e6:.1f} MB (f = {args.fraction}), "
+            f"ShadeSampler replay {args.replay:g}, policy {args.policy}, {args.epochs} epochs, "
+            f"prefetch {'on' if args.prefetch else 'off'}; remote: slowfs "
+            f"{args.open_latency:g} ms/open, {args.bandwidth:g} MB/s shared"
+        )
+        slow = ["--open-latency", str(args.open_latency), "--bandwidth", str(args.bandwidth)]
+        results = {}
+        with slowfs_mounted(src, tmp / "remote", slow) as (remote, _):
+            for partitioned in (True, False):
+                tag = "partitioned" if partitioned else "independent"
+                rows = run_job(args, tmp, remote, rels, ram, partitioned)
+                results[tag] = report(tag, rows, total, args.epochs)
+        f, r = args.fraction, args.replay
+        print(
+            f"bound: min(1, r*N*f) = {min(1.0, r * args.nodes * f):.2f} (partitioned), "
+            f"min(1, r*f) = {min(1.0, r * f):.2f} (independent); partitioned / independent = "
+            f"{results['partitioned'] / max(results['independent'], 1e-9):.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
