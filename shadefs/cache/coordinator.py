@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from shadefs.cache.block_keys import by_file
+from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
@@ -108,6 +109,7 @@ class Cache:
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, _Flight] = {}
+        self.fetchlog = FetchLog()  # refetches within an epoch
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
@@ -260,6 +262,7 @@ class Cache:
         """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
         with flying(self._flights, key, flight):
             data, st = await self.source.read_file(path, size)
+            self.fetchlog.note(key, len(data))
             flight.data = data
             flight.sig = sig = Signature.of(st)
             flight.clean = len(data) == st.st_size and size in (None, st.st_size)
@@ -370,6 +373,7 @@ class Cache:
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         """Epoch `epoch` begins for job `job` (None: for every job)."""
+        self.fetchlog.new_epoch()
         for policy in self._policies():
             policy.begin_epoch(epoch, job)
 
@@ -440,4 +444,5 @@ class Cache:
             policy=self.policy.describe(),
             handles=self.handles.describe(self.handle_limit, self.handle_passthrough),
             ssd=self.ssd.describe() if self.ssd is not None else None,
+            fetches=self.fetchlog.describe(),
         )

@@ -108,9 +108,17 @@ class Plan:
     def __len__(self) -> int:
         return len(self.keys)
 
+    # A speculative plan (cache/speculate.py) guesses at an unknown order: the policies'
+    # `planned` and `next_use` ignore it, only the staging decision follows it.
+    speculative = False
+
     @property
     def done(self) -> bool:
         return self.cursor >= len(self.keys)
+
+    def consumed(self, pos: int) -> bool:
+        """Whether the reader already read the entry at `pos`."""
+        return bool(self._consumed[pos])
 
     def _occurrences(self, key: int) -> np.ndarray:
         lo = int(np.searchsorted(self._sorted, key, "left"))
@@ -198,6 +206,9 @@ class Prefetcher:
         self._inflight: dict[int, int] = {}  # key -> size
         self._inflight_bytes = 0
         self._wake = trio.Event()
+        # Called before each scheduling round and before a fetched file is staged, so that
+        # the reads a plan's owner logs lazily (speculation) are seen first.
+        self.before_round: Callable[[], None] | None = None
         self.latency = 0.01  # seconds per fetch, EWMA
         self.fetched = 0
         self.fetched_bytes = 0
@@ -244,6 +255,8 @@ class Prefetcher:
         """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
         mask = np.zeros(len(keys), dtype=bool)
         for plan in self.plans.values():
+            if plan.speculative:
+                continue
             mask |= np.isin(keys, plan.keys[plan.cursor :].astype(np.int64))
         return mask
 
@@ -255,6 +268,8 @@ class Prefetcher:
         """
         best = math.inf
         for plan in self.plans.values():
+            if plan.speculative:
+                continue
             reads = plan.next_use(key)
             if reads != math.inf:
                 best = min(best, plan.last_progress + reads / max(plan.rate, 1e-3))
@@ -308,6 +323,10 @@ class Prefetcher:
                         continue
                     break  # window full for now: try the next plan
                 plan.frontier += 1
+                if plan.consumed(pos):
+                    # Its reader already opened it (workers read ahead of the cursor): a
+                    # fetch now would bring the same bytes over the link a second time.
+                    continue
                 key = int(plan.keys[pos])
                 if key in self.staged or key in self._inflight or self._tier_of(key):
                     continue
@@ -325,6 +344,8 @@ class Prefetcher:
                 with trio.move_on_after(0.5):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                if self.before_round is not None:
+                    self.before_round()
                 self._expire()
                 while len(self._inflight) < self.target_workers():
                     item = self._next_item()
@@ -355,7 +376,10 @@ class Prefetcher:
         self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
         self.fetched += 1
         self.fetched_bytes += len(data)
+        if self.before_round is not None:
+            self.before_round()  # the readers' latest opens, before deciding to stage
         if key in self.staged or self._tier_of(key) or not self._planned(key):
+            # Its reader opened it meanwhile and shared the flight: nothing to stage.
             return
         self.staged[key] = (data, sig)
         self.staged_bytes += len(data)
