@@ -23,11 +23,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import pyfuse3
 import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
+from shadefs.cache.speculate import Speculator
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
@@ -36,6 +38,7 @@ from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
+from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
@@ -88,6 +91,7 @@ class Service:
             prefetch=prefetch,
             jobs=JobTable(opts.job_idle),
         )
+        self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
         # Read-ahead inside large files shares the prefetch window's size.
         window = prefetch.window if prefetch is not None else 0
         self.blocks = Blocks(
@@ -113,6 +117,15 @@ class Service:
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
 
+    def _listing_of(self, key: int) -> Listing | None:
+        """The listing of the directory holding file `key`, if it was listed whole."""
+        ns = self.namespace
+        try:
+            snap, _ = ns.locate(key)
+        except pyfuse3.FUSEError:
+            return None
+        return snap if ns.listings.get(snap.dirino) == snap.slot else None
+
     @property
     def ssd(self) -> SsdTier | None:
         """The cache's SSD tier (None without --ssd)."""
@@ -126,6 +139,7 @@ class Service:
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
         self.cache.start(nursery)
+        nursery.start_soon(self.speculator.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 

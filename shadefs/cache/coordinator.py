@@ -174,6 +174,7 @@ class Cache:
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
+        reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
         job = reader.row
         ssd = self.ssd
         prefetcher = self.prefetcher
