@@ -421,3 +421,29 @@ def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
         assert (stats.source_fetches, stats.refetches) == (4, 1)
 
     trio.run(run)
+
+
+def test_a_replayed_sample_stays_staged_until_its_last_read_nearby() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        pf.add_plan(_plan("a", [1, 2, 1], size=1000))  # sample 1 is replayed
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            await trio.sleep(0.05)
+            assert set(pf.staged) == {1, 2}
+            for key in (1, 2):
+                data = await cache.open(key, b"p%d" % key, source.stat(key))
+                assert data is not None
+                cache.unpin(data)
+                cache.drop()  # a policy that keeps nothing
+            assert 1 in pf.staged  # read once, needed again two reads on
+            data = await cache.open(1, b"p1", source.stat(1))
+            assert data is not None
+            nursery.cancel_scope.cancel()
+        assert sorted(source.fetches) == [b"p1", b"p2"] and pf.served == 3
+        assert 1 not in pf.staged and cache.fetchlog.refetches == 0
+
+    trio.run(run)

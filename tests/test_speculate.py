@@ -177,3 +177,25 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     pf.drop_plan("sampler")
     on.tend(time.monotonic())
     assert on.plans
+
+
+def test_reads_from_a_directory_listed_later_count_as_read() -> None:
+    a = FakeListing(b"a", [1, 2, 3, 4])
+    listed: dict[int, FakeListing] = {}
+    reads = JobReads()
+    reads.absorb(np.array([2, 3], dtype=np.uint64), lambda key: listed.get(key))
+    assert len(reads) == 0  # not listed yet: nothing known
+    listed.update({k: a for k in (1, 2, 3, 4)})  # the background listing arrives
+    reads.absorb(np.array([4], dtype=np.uint64), lambda key: listed.get(key))
+    assert reads.keys[reads.unread()].tolist() == [1]  # 2 and 3 were read before
+
+
+def test_a_plans_paths_survive_the_universe_growing() -> None:
+    from shadefs.cache.speculate import SpecPlan
+
+    a, b = FakeListing(b"a", [5, 6, 7]), FakeListing(b"b", [1, 2])
+    reads = JobReads()
+    reads.absorb(np.array([5], dtype=np.uint64), _listings(a, b))
+    plan = SpecPlan("s", reads, reads.unread())
+    reads.absorb(np.array([1], dtype=np.uint64), _listings(a, b))  # re-sorts the universe
+    assert [plan.paths[i] for i in range(len(plan))] == [b"p%d" % k for k in plan.keys]

@@ -17,11 +17,16 @@ one binary search and one short vector comparison, next to a fetch's millisecond
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import numpy as np
 
 from shadefs.stats import FetchStats
 
 __all__ = ["FetchLog"]
+
+log = logging.getLogger(__name__)
 
 _PENDING = 512
 
@@ -37,6 +42,9 @@ class FetchLog:
         self.fetch_bytes = 0
         self.refetches = 0
         self.refetch_bytes = 0
+        # Takes in the jobs' latest reads (cache/speculate.py), which may end the epoch: a
+        # job's first reads of a new epoch are noted before its logs are read otherwise.
+        self.sync: Callable[[], None] | None = None
 
     def __contains__(self, key: int) -> bool:
         k = np.uint64(key)
@@ -52,9 +60,12 @@ class FetchLog:
         self.fetch_bytes += nbytes
         if key < 0:
             return False  # a block (cache/block_keys.py): not a whole file
+        if key in self and self.sync is not None:
+            self.sync()
         if key in self:
             self.refetches += 1
             self.refetch_bytes += nbytes
+            log.debug("key %d fetched again this epoch", key)
             return True
         if self._n == _PENDING:
             self._sorted = np.union1d(self._sorted, self._pending)

@@ -92,6 +92,7 @@ class Plan:
         self.paths = paths
         self.sizes = sizes.astype(np.int64, copy=False)
         self.readers = 1  # the jobs that read this plan (a sweep group's members)
+        self.span = 0  # entries the staging window covers (set by the prefetcher)
         self.cursor = 0  # the reader's next position
         self.frontier = 0  # the prefetcher's next position to consider
         order = np.argsort(self.keys, kind="stable")
@@ -108,17 +109,11 @@ class Plan:
     def __len__(self) -> int:
         return len(self.keys)
 
-    # A speculative plan (cache/speculate.py) guesses at an unknown order: the policies'
-    # `planned` and `next_use` ignore it, only the staging decision follows it.
-    speculative = False
+    speculative = False  # a guess (speculate.py): the policies ignore it (planned, next_use)
 
     @property
     def done(self) -> bool:
         return self.cursor >= len(self.keys)
-
-    def consumed(self, pos: int) -> bool:
-        """Whether the reader already read the entry at `pos`."""
-        return bool(self._consumed[pos])
 
     def _occurrences(self, key: int) -> np.ndarray:
         lo = int(np.searchsorted(self._sorted, key, "left"))
@@ -226,6 +221,8 @@ class Prefetcher:
         if old is not None:
             log.debug("plan %s replaced", plan.name)
         self.plans[plan.name] = plan
+        if len(plan):
+            plan.span = int(self.window // max(1.0, float(plan.sizes.mean())))
         self._drop_unplanned()
         self._wake.set()
         log.info("prefetch plan %s: %d reads", plan.name, len(plan))
@@ -283,8 +280,9 @@ class Prefetcher:
         if item is None:
             return None
         data, staged_sig = item
-        if key in self._takes_left and staged_sig == sig:
-            # A group's member behind the fastest will open it too: keep it staged.
+        if staged_sig == sig and (key in self._takes_left or self._wanted_again(key)):
+            # A group's member behind the fastest will open it too, or its reader reads it
+            # again soon (a replayed sample): keep it staged rather than fetch it twice.
             self.served += 1
             return data
         self._unstage(key)
@@ -294,6 +292,16 @@ class Prefetcher:
             return None
         self.served += 1
         return data
+
+    def _wanted_again(self, key: int) -> bool:
+        """Whether a known order reads `key` again within what the window covers of it."""
+        for plan in self.plans.values():
+            if plan.speculative:
+                continue
+            reads = plan.next_use(key)
+            if reads != math.inf and reads <= max(plan.frontier - plan.cursor, plan.span):
+                return True
+        return False
 
     def _unstage(self, key: int) -> None:
         data, _ = self.staged.pop(key)
@@ -323,7 +331,7 @@ class Prefetcher:
                         continue
                     break  # window full for now: try the next plan
                 plan.frontier += 1
-                if plan.consumed(pos):
+                if plan._consumed[pos]:
                     # Its reader already opened it (workers read ahead of the cursor): a
                     # fetch now would bring the same bytes over the link a second time.
                     continue
@@ -404,6 +412,9 @@ class Prefetcher:
                 ended.append(name)
         for name in ended:
             del self.plans[name]
+        for key in [k for k in self.staged if self._tier_of(k)]:
+            # Kept staged for a later read, and cached since: the tier serves it now.
+            self._unstage(key)
         old = [k for k, t in self._held_since.items() if now - t > self.abandon_after]
         for key in old:
             # A group member that never came for it: stop holding it for them.

@@ -40,7 +40,7 @@ import numpy as np
 import trio
 
 from shadefs.cache.prefetch import Plan
-from shadefs.sampling.epochs import JobReads, ListingOf
+from shadefs.sampling.epochs import JobReads, Listing, ListingOf
 
 if TYPE_CHECKING:
     from shadefs.cache.coordinator import Cache
@@ -53,14 +53,18 @@ REPLAN = 0.25  # seconds between rebuilds of a plan whose universe grew
 
 
 class _Paths(Sequence[bytes]):
-    """A plan's paths, built on demand from the job's listings (no list of paths)."""
+    """A plan's paths, built on demand from the job's listings (no list of paths).
 
-    def __init__(self, reads: JobReads, index: np.ndarray) -> None:
-        self._reads = reads
-        self._index = index
+    It keeps the (listing, row) of each entry as the plan was made: the job's universe is
+    re-sorted when it grows, so indexes into it would go stale.
+    """
+
+    def __init__(self, listings: list[Listing], where: np.ndarray) -> None:
+        self._listings = listings  # only ever appended to
+        self._where = where
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._where)
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...
@@ -68,8 +72,9 @@ class _Paths(Sequence[bytes]):
     def __getitem__(self, i: slice) -> Sequence[bytes]: ...
     def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
         if isinstance(i, slice):
-            return _Paths(self._reads, self._index[i])
-        return self._reads.path(int(self._index[i]))
+            return _Paths(self._listings, self._where[i])
+        w = int(self._where[i])
+        return self._listings[w >> 32].child_path(w & 0xFFFFFFFF)
 
     def __iter__(self) -> Iterator[bytes]:
         return (self[i] for i in range(len(self)))
@@ -81,7 +86,8 @@ class SpecPlan(Plan):
     speculative = True
 
     def __init__(self, name: str, reads: JobReads, index: np.ndarray) -> None:
-        super().__init__(name, reads.keys[index], _Paths(reads, index), reads.sizes[index])
+        paths = _Paths(reads.listings, reads.where[index])
+        super().__init__(name, reads.keys[index], paths, reads.sizes[index])
 
     def observe(self, key: int, now: float) -> bool:
         return False  # `consume` takes the job's reads in batches instead
@@ -136,6 +142,7 @@ class Speculator:
         self._planned_at: dict[int, float] = {}
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
+        cache.fetchlog.sync = self.sync
         if self.enabled and cache.prefetcher is not None:
             cache.prefetcher.before_round = self.sync
 

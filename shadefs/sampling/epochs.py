@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # to start a new epoch (rather than break the pattern). Below 1 for drop_last and for files
 # added while the epoch ran.
 NEW_EPOCH = 0.9
+# The most reads kept while their directory is being listed (the newest win).
+_PENDING = 1 << 16
 
 
 class Listing(Protocol):
@@ -69,6 +71,7 @@ class JobReads:
         self.breaks = 0  # re-reads that broke the pattern
         self.paused = False
         self.grown = False  # the universe grew since the owner last looked (it resets it)
+        self._pending = np.empty(0, dtype=np.uint64)  # read, in no known listing yet
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -102,6 +105,14 @@ class JobReads:
         self.read = np.concatenate([self.read, np.zeros(len(keys), dtype=bool)])[order]
         self.grown = True
 
+    def _resolve_pending(self) -> None:
+        idx, found = self._index(self._pending)
+        fresh = np.unique(idx[found])
+        fresh = fresh[~self.read[fresh]]
+        self.read[fresh] = True
+        self.count += len(fresh)
+        self._pending = self._pending[~found]
+
     def _index(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.searchsorted(self.keys, keys)
         idx[idx >= len(self.keys)] = 0
@@ -113,11 +124,19 @@ class JobReads:
         keys = keys.astype(np.uint64, copy=False)
         idx, found = self._index(keys)
         if not found.all():
+            size = len(self.keys)
             for key in np.unique(keys[~found]).tolist():
                 listing = listing_of(int(key))
                 if listing is not None and listing.path not in self._dirs:
                     self._grow(listing)
             idx, found = self._index(keys)
+            if len(self.keys) != size:
+                self._resolve_pending()
+            # Reads from directories not listed yet: remembered, so that they count as
+            # read once the listing joins (nothing read this epoch may be staged).
+            lost = keys[~found]
+            if len(lost):
+                self._pending = np.concatenate([self._pending, lost])[-_PENDING:]
         idx = idx[found]
         began = 0
         while len(idx):
@@ -144,5 +163,6 @@ class JobReads:
                 self.paused = True
             self.read[:] = False
             self.count = 0
+            self._pending = self._pending[:0]
             idx = idx[j:]
         return began
