@@ -472,6 +472,7 @@ class Limits:
     blocked: float | None  # share of the readers' time spent blocked on the source
     remote: float | None  # bytes over the link per epoch
     distinct: float | None  # bytes of the distinct files fetched per epoch
+    emulator: float | None  # the emulator's CPU, as a share of one core
 
     @property
     def efficiency(self) -> float:
@@ -502,7 +503,8 @@ def limits(
             distinct = x.fetch_bytes - x.refetch_bytes
         else:
             distinct = None
-        out.append(Limits(x.seconds, limit, bound, blocked, x.remote_bytes, distinct))
+        emulator = None if x.cpu_slowfs is None else x.cpu_slowfs / x.seconds
+        out.append(Limits(x.seconds, limit, bound, blocked, x.remote_bytes, distinct, emulator))
     return out
 
 
@@ -514,11 +516,12 @@ def print_limits(
         "\nagainst the physical limit: limit = max(local epoch time, remote bytes / "
         f"{args.bandwidth:g} MB/s), efficiency = limit / epoch time; blocked = share of the "
         f"{args.workers} readers' time spent waiting on the source; remote/distinct = bytes "
-        "over the link / bytes of the distinct files fetched (epoch 1 | mean of epochs 2..E)"
+        "over the link / bytes of the distinct files fetched; slowfs = the emulator's CPU "
+        "in cores (epoch 1 | mean of epochs 2..E)"
     )
     print(
         f"{'':4}{'epoch s':>14} {'limit s':>14} {'bound':>10} {'efficiency':>12} "
-        f"{'blocked':>12} {'remote MB':>14} {'remote/distinct':>16}"
+        f"{'blocked':>12} {'remote MB':>14} {'remote/distinct':>16} {'slowfs':>12}"
     )
     table: dict[str, list[Limits]] = {}
     for r in results:
@@ -540,7 +543,8 @@ def print_limits(
             f"{pair(lambda x: x.efficiency, '4.2f'):>12} "
             f"{pair(lambda x: x.blocked, '4.0%'):>12} "
             f"{pair(lambda x: None if x.remote is None else x.remote / 1e6, '5.0f'):>14} "
-            f"{pair(lambda x: x.excess, '5.3f'):>16}"
+            f"{pair(lambda x: x.excess, '5.3f'):>16} "
+            f"{pair(lambda x: x.emulator, '4.2f'):>12}"
         )
     return table
 
