@@ -199,3 +199,15 @@ def test_a_plans_paths_survive_the_universe_growing() -> None:
     plan = SpecPlan("s", reads, reads.unread())
     reads.absorb(np.array([1], dtype=np.uint64), _listings(a, b))  # re-sorts the universe
     assert [plan.paths[i] for i in range(len(plan))] == [b"p%d" % k for k in plan.keys]
+
+
+def test_a_reused_job_row_starts_a_fresh_track() -> None:
+    source, cache, spec = _setup(n=20)
+    trio.run(_read, cache, source, 1)
+    spec.sync()
+    first = spec.tracks[0]
+    job = cache.jobs.jobs[0]
+    job.id = "another job"  # its row now serves a new job
+    job.reads.append(1)
+    spec.sync()
+    assert spec.tracks[0] is not first and spec.tracks[0].count == 1

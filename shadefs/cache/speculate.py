@@ -157,8 +157,8 @@ class Speculator:
         """Take in every job's logged reads (the prefetcher calls this before each round)."""
         now = time.monotonic()
         jobs = self.cache.jobs.jobs
-        for row in [r for r in self.tracks if r not in jobs]:
-            self._forget(row)
+        for row in [r for r, t in self.tracks.items() if r not in jobs or jobs[r].id != t.job]:
+            self._forget(row)  # the job ended (its row may already serve another)
         for row, job in jobs.items():
             if not job.reads:
                 continue
@@ -167,6 +167,7 @@ class Speculator:
             track = self.tracks.get(row)
             if track is None:
                 track = self.tracks[row] = JobReads()
+                track.job = job.id
             self._last_read[row] = now
             began = track.absorb(keys, self.listing_of)
             if began:

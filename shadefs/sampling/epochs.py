@@ -60,6 +60,7 @@ class JobReads:
     """One job's universe, what it read this epoch, and its epoch pattern."""
 
     def __init__(self) -> None:
+        self.job = ""  # the owner's job id (a row is reused once its job ends)
         self.keys = np.empty(0, dtype=np.uint64)  # the universe, sorted
         self.sizes = np.empty(0, dtype=np.int64)
         self.where = np.empty(0, dtype=np.int64)  # listing index << 32 | row
