@@ -239,6 +239,8 @@ class Prefetcher:
         for plan in self.plans.values():
             if plan.observe(key, now):
                 self._wake.set()
+        if key in self.staged and self._tier_of(key):
+            self._unstage(key)  # kept staged for this read, and cached since: a hit
         left = self._takes_left.get(key)
         if left is not None:
             # One more of a group's opens: the last one takes it out of staging.
@@ -412,9 +414,6 @@ class Prefetcher:
                 ended.append(name)
         for name in ended:
             del self.plans[name]
-        for key in [k for k in self.staged if self._tier_of(k)]:
-            # Kept staged for a later read, and cached since: the tier serves it now.
-            self._unstage(key)
         old = [k for k, t in self._held_since.items() if now - t > self.abandon_after]
         for key in old:
             # A group member that never came for it: stop holding it for them.
