@@ -218,7 +218,7 @@ class Cache:
         self.metrics.misses += 1
         reader.misses += 1
         reader.bytes += st.st_size
-        if prefetcher is not None:
+        if prefetcher is not None and self.handles.held + st.st_size <= self.handle_limit:
             data = prefetcher.take(key, sig)
             if data is not None:
                 self._adopt(key, path, data, sig)
