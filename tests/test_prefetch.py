@@ -447,3 +447,26 @@ def test_a_replayed_sample_stays_staged_until_its_last_read_nearby() -> None:
         assert 1 not in pf.staged and cache.fetchlog.refetches == 0
 
     trio.run(run)
+
+
+def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source, window=4000)  # four files: the plan's span is 4 reads
+        pf = cache.prefetcher
+        assert pf is not None
+        order = [1, 2, 3, 4, 5, 6, 7, 1, 8]  # 1 comes back 7 reads on
+        pf.add_plan(_plan("a", order, size=1000))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            for key in order:
+                await trio.sleep(0.02)  # the prefetcher stays ahead
+                data = await cache.open(key, b"p%d" % key, source.stat(key))
+                assert data is not None
+                cache.unpin(data)
+                cache.drop()  # a policy that keeps nothing
+            nursery.cancel_scope.cancel()
+        assert sorted(source.fetches) == sorted(b"p%d" % k for k in set(order))
+        assert pf._replay_bytes == 0 and not pf.staged
+
+    trio.run(run)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, overload
 import numpy as np
 import trio
 
-from shadefs.cache.prefetch import Plan
+from shadefs.cache.plans import Plan
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
 
 if TYPE_CHECKING:
