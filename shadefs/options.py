@@ -171,6 +171,12 @@ PREFETCH = Option(
     help="fetch the misses of a known order ahead of the reader", shown="on",
     meaning="fetch the misses of a known order (the sampler's, or a plan) ahead of the reader",
 )
+SPECULATE = Option(
+    name="speculate", default=True, parse=on_off, negatable=True,
+    help="stage the files a job has not read yet this epoch", shown="on",
+    meaning="for a job that announces no order, stage what it has not read yet this epoch "
+    "(within the prefetch window; needs prefetch)",
+)
 PREFETCH_WINDOW = Option[int | None](
     name="prefetch_window", default=None, parse=parse_size, metavar="SIZE",
     help="bytes staged ahead of the readers", shown="RAM/4, 64M–1G",
@@ -228,8 +234,8 @@ SYSTEMD = Option(
 
 OPTIONS: tuple[Option[Any], ...] = (
     RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, BLOCK_SIZE, PASSTHROUGH_ABOVE, HANDLE_LIMIT,
-    SOURCE_TIMEOUT, SOURCE_THREADS, REVALIDATE, PREFETCH, PREFETCH_WINDOW, PREFETCH_WORKERS,
-    PREFETCH_ABANDON, JOB_IDLE, METRICS,
+    SOURCE_TIMEOUT, SOURCE_THREADS, REVALIDATE, PREFETCH, SPECULATE, PREFETCH_WINDOW,
+    PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
 # fmt: on
@@ -262,6 +268,7 @@ class MountOptions:
     metrics: str | None = METRICS.default
     prefetch: bool = PREFETCH.default
     prefetch_window: int | None = PREFETCH_WINDOW.default
+    speculate: bool = SPECULATE.default
     prefetch_workers: int = PREFETCH_WORKERS.default
     prefetch_abandon: float = PREFETCH_ABANDON.default
     job_idle: float = JOB_IDLE.default

@@ -23,12 +23,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import pyfuse3
 import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.policies import Owned
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
+from shadefs.cache.speculate import Speculator
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
@@ -37,6 +39,7 @@ from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
+from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
@@ -91,6 +94,9 @@ class Service:
             jobs=JobTable(opts.job_idle),
             owns=self.sampling.owns_key,
         )
+        self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
+        self._nursery: trio.Nursery | None = None
+        self._listing_asked: set[int] = set()  # directories being listed for speculation
         # Read-ahead inside large files shares the prefetch window's size.
         window = prefetch.window if prefetch is not None else 0
         self.blocks = Blocks(
@@ -116,6 +122,30 @@ class Service:
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
 
+    def _listing_of(self, key: int) -> Listing | None:
+        """The listing of the directory holding file `key`, if it was listed whole. A job
+        that opens files by path never lists their directory: list it in the background,
+        once, so that the next call finds it (speculation, sampling/epochs.py)."""
+        ns = self.namespace
+        try:
+            snap, _ = ns.locate(key)
+        except pyfuse3.FUSEError:
+            return None
+        if ns.listings.get(snap.dirino) == snap.slot:
+            return snap
+        if self._nursery is not None and snap.dirino not in self._listing_asked:
+            self._listing_asked.add(snap.dirino)
+            self._nursery.start_soon(self._list_quietly, snap.dirino)
+        return None
+
+    async def _list_quietly(self, ino: int) -> None:
+        try:
+            await self.namespace.listing(ino)
+        except pyfuse3.FUSEError as exc:
+            log.debug("listing directory %d for speculation failed: errno %d", ino, exc.errno)
+        finally:
+            self._listing_asked.discard(ino)
+
     @property
     def ssd(self) -> SsdTier | None:
         """The cache's SSD tier (None without --ssd)."""
@@ -129,6 +159,8 @@ class Service:
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
         self.cache.start(nursery)
+        self._nursery = nursery
+        nursery.start_soon(self.speculator.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 

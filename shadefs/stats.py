@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -163,6 +163,16 @@ class HandleStats:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchStats:
+    """Whole files fetched from the source (cache/fetchlog.py). JSON: top-level fields."""
+
+    source_fetches: int = 0
+    source_fetch_bytes: int = 0
+    refetches: int = 0  # of those, files already fetched this epoch
+    refetch_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """The cache: its tiers, admissions and RAM policy. JSON: `tiers`, `policy(_state)`,
     `ram_max_entry` and top-level fields of the same names."""
@@ -177,6 +187,7 @@ class CacheStats:
     policy: PolicyState
     handles: HandleStats
     ssd: SsdStats | None = None
+    fetches: FetchStats = field(default_factory=FetchStats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +354,7 @@ class Stats:
             "refused": cache.refused,
             "fetches_shared": cache.fetches_shared,
             "blocked_seconds": cache.blocked_seconds,
+            **_dump(cache.fetches),
             "handles": _dump(cache.handles),
             **_dump(self.namespace),
             "source_healthy": src.healthy,
@@ -383,6 +395,7 @@ class Stats:
             policy=_load(PolicyState, d["policy_state"]),
             handles=_load(HandleStats, d["handles"]),
             ssd=ssd,
+            fetches=_load(FetchStats, d),
         )
         source = SourceStats(
             root=d["source"],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -324,5 +325,148 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         await pf._fetch(2, b"p2", 3)
         pf.observe(2)
         assert pf.take(2, sig) == b"abc" and pf.take(2, sig) is None
+
+    trio.run(run)
+
+
+# --- every byte fetched once ------------------------------------------------------------------
+
+
+class _CountingSource:
+    """A source of 1000-byte files whose fetches take `delay` seconds and are counted."""
+
+    def __init__(self, delay: float = 0.01) -> None:
+        self.delay = delay
+        self.fetches: list[bytes] = []
+
+    @staticmethod
+    def stat(key: int) -> SimpleNamespace:
+        return SimpleNamespace(st_size=1000, st_mtime_ns=1, st_ctime_ns=1, st_ino=key)
+
+    async def read_file(self, path: bytes, size: int | None = None):
+        self.fetches.append(path)
+        await trio.sleep(self.delay)
+        return bytes(1000), self.stat(int(path[1:]))
+
+
+def _cache(source: _CountingSource, window: int = 10_000):
+    from shadefs.cache.coordinator import Cache
+    from shadefs.cache.prefetch import PrefetchSettings
+    from shadefs.stats import Metrics
+
+    # Room for 8 files (one file may take an eighth of the budget); tests `drop()` them to
+    # make a second read a miss.
+    return Cache(source, Metrics(), capacity=8000, prefetch=PrefetchSettings(window))  # type: ignore[arg-type]
+
+
+def test_a_reader_and_a_prefetch_of_the_same_file_share_one_fetch() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.05)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("a", [2], size=1000))
+            await trio.sleep(0.01)  # the prefetcher has started fetching 2
+            assert set(pf._inflight) == {2}
+            # A reader opens 2 while its prefetch is in flight: it joins that flight.
+            data = await cache.open(2, b"p2", source.stat(2))
+            assert data == bytes(1000)
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+        assert source.fetches == [b"p2"]
+        assert cache.shared_fetches == 1 and cache.fetchlog.refetches == 0
+        assert 2 not in pf.staged  # its reader had it: nothing left to stage
+
+    trio.run(run)
+
+
+def test_the_prefetcher_skips_what_workers_read_ahead_of_the_cursor() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.01)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        plan = _plan("a", [1, 2, 3, 4, 5], size=1000)
+        pf.add_plan(plan)
+        # DataLoader workers read 3 and 5 before anyone read 1: the cursor stays at 0.
+        for key in (3, 5):
+            await cache.open(key, b"p%d" % key, source.stat(key))
+        cache.drop()  # not kept (a small RAM tier): a second fetch would cross the link
+        assert plan.cursor == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+        # 3 and 5 crossed the link once, for their readers; the prefetcher took 1, 2 and 4.
+        assert sorted(source.fetches) == [b"p1", b"p2", b"p3", b"p4", b"p5"]
+        assert set(pf.staged) == {1, 2, 4}
+        assert cache.fetchlog.refetches == 0
+
+    trio.run(run)
+
+
+def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0)
+        cache = _cache(source)
+        for key in (1, 2, 1):
+            await cache.open(key, b"p%d" % key, source.stat(key))
+            cache.drop()
+        assert cache.fetchlog.refetches == 1 and cache.fetchlog.refetch_bytes == 1000
+        cache.begin_epoch(1)
+        await cache.open(2, b"p2", source.stat(2))
+        stats = cache.describe().fetches
+        assert (stats.source_fetches, stats.refetches) == (4, 1)
+
+    trio.run(run)
+
+
+def test_a_replayed_sample_stays_staged_until_its_last_read_nearby() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        pf.add_plan(_plan("a", [1, 2, 1], size=1000))  # sample 1 is replayed
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            await trio.sleep(0.05)
+            assert set(pf.staged) == {1, 2}
+            for key in (1, 2):
+                data = await cache.open(key, b"p%d" % key, source.stat(key))
+                assert data is not None
+                cache.unpin(data)
+                cache.drop()  # a policy that keeps nothing
+            assert 1 in pf.staged  # read once, needed again two reads on
+            data = await cache.open(1, b"p1", source.stat(1))
+            assert data is not None
+            nursery.cancel_scope.cancel()
+        assert sorted(source.fetches) == [b"p1", b"p2"] and pf.served == 3
+        assert 1 not in pf.staged and cache.fetchlog.refetches == 0
+
+    trio.run(run)
+
+
+def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source, window=4000)  # four files: the plan's span is 4 reads
+        pf = cache.prefetcher
+        assert pf is not None
+        order = [1, 2, 3, 4, 5, 6, 7, 1, 8]  # 1 comes back 7 reads on
+        pf.add_plan(_plan("a", order, size=1000))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            for key in order:
+                await trio.sleep(0.02)  # the prefetcher stays ahead
+                data = await cache.open(key, b"p%d" % key, source.stat(key))
+                assert data is not None
+                cache.unpin(data)
+                cache.drop()  # a policy that keeps nothing
+            nursery.cancel_scope.cancel()
+        assert sorted(source.fetches) == sorted(b"p%d" % k for k in set(order))
+        assert pf._replay_bytes == 0 and not pf.staged
 
     trio.run(run)

@@ -229,7 +229,8 @@ def test_hanging_source_serves_hits_and_fails_misses_in_time(tmp_path: Path, mou
     remote = tmp_path / "remote"
     slow_pid = start_slowfs(real, remote)
     try:
-        m = mounter(remote, "--ram", "64M", "--source-timeout", "2")
+        # No speculation: it would have staged the cold files before the source hung.
+        m = mounter(remote, "--ram", "64M", "--source-timeout", "2", "--no-speculate")
         cached = sorted(p.relative_to(real) for p in real.rglob("*") if p.is_file())
         warm, cold = cached[:20], cached[20:]
         for rel in warm:

@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from shadefs.cache.block_keys import by_file
+from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import POLICIES, Policy, make_policy
@@ -110,6 +111,7 @@ class Cache:
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, _Flight] = {}
+        self.fetchlog = FetchLog()  # refetches within an epoch
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
@@ -174,6 +176,7 @@ class Cache:
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
+        reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
         job = reader.row
         ssd = self.ssd
         prefetcher = self.prefetcher
@@ -217,7 +220,7 @@ class Cache:
         self.metrics.misses += 1
         reader.misses += 1
         reader.bytes += st.st_size
-        if prefetcher is not None:
+        if prefetcher is not None and self.handles.held + st.st_size <= self.handle_limit:
             data = prefetcher.take(key, sig)
             if data is not None:
                 self._adopt(key, path, data, sig)
@@ -262,6 +265,7 @@ class Cache:
         """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
         with flying(self._flights, key, flight):
             data, st = await self.source.read_file(path, size)
+            self.fetchlog.note(key, len(data))
             flight.data = data
             flight.sig = sig = Signature.of(st)
             flight.clean = len(data) == st.st_size and size in (None, st.st_size)
@@ -373,6 +377,7 @@ class Cache:
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         """Epoch `epoch` begins for job `job` (None: for every job)."""
+        self.fetchlog.new_epoch()
         for policy in self._policies():
             policy.begin_epoch(epoch, job)
 
@@ -443,4 +448,5 @@ class Cache:
             policy=self.policy.describe(),
             handles=self.handles.describe(self.handle_limit, self.handle_passthrough),
             ssd=self.ssd.describe() if self.ssd is not None else None,
+            fetches=self.fetchlog.describe(),
         )

@@ -30,6 +30,13 @@ window, which bounds how far the members may drift apart before the slowest miss
 and it outlives the plan's end (the fastest member's next epoch) by at most `abandon_after`
 seconds.
 
+Every byte fetched once: an entry its reader already opened (workers read ahead of the
+cursor) is never fetched, a reader that opens a file being prefetched joins that flight,
+and a file a known order replays stays staged for its next read (within the window's reach
+of the plan, or anywhere while such replays hold at most a quarter of the window), rather
+than be fetched again. A speculative plan (cache/speculate.py) is staged like any other,
+but the policies' `planned` and `next_use` ignore it: it is a guess.
+
 A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
 or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
 then dropped and counted as wasted. `start` runs the scheduler in the nursery it is handed
@@ -45,24 +52,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pyfuse3
 import trio
 
+from shadefs.cache.plans import Plan
 from shadefs.cache.ssd_format import Signature
 from shadefs.stats import PrefetchStats
 
+__all__ = ["FetchAhead", "Plan", "PrefetchSettings", "Prefetcher"]
+
 log = logging.getLogger(__name__)
 
-# The read rate is re-estimated every this many reads.
-_RATE_EVERY = 16
-# How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
-# taken for another job's read of the same file, and leaves the cursor alone).
-_MATCH_AHEAD = 4096
-_DEFAULT_RATE = 100.0  # reads/s assumed for a plan before it has been observed
 _EWMA = 0.2
 
 # The cache's fetch for the prefetcher: (bytes, signature), or None when a reader is already
@@ -77,88 +81,6 @@ class PrefetchSettings:
     window: int  # bytes staged or in flight
     max_workers: int = 16
     abandon_after: float = 60.0  # seconds without progress before a plan is dropped
-
-
-class Plan:
-    """A known future read order: keys, the paths to fetch them from, their sizes."""
-
-    def __init__(
-        self, name: str, keys: np.ndarray, paths: Sequence[bytes], sizes: np.ndarray
-    ) -> None:
-        if not len(keys) == len(paths) == len(sizes):
-            raise ValueError("a plan needs one path and one size per key")
-        self.name = name
-        self.keys = keys.astype(np.uint64, copy=False)
-        self.paths = paths
-        self.sizes = sizes.astype(np.int64, copy=False)
-        self.readers = 1  # the jobs that read this plan (a sweep group's members)
-        self.cursor = 0  # the reader's next position
-        self.frontier = 0  # the prefetcher's next position to consider
-        order = np.argsort(self.keys, kind="stable")
-        self._sorted = self.keys[order]
-        self._positions = order.astype(np.int64)  # ascending within each key (stable sort)
-        self._consumed = np.zeros(len(self.keys), dtype=bool)
-        now = time.monotonic()
-        self.created = now
-        self.last_progress = now
-        self._rate_since = now
-        self.rate = _DEFAULT_RATE
-        self.reads = 0
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def done(self) -> bool:
-        return self.cursor >= len(self.keys)
-
-    def _occurrences(self, key: int) -> np.ndarray:
-        lo = int(np.searchsorted(self._sorted, key, "left"))
-        hi = int(np.searchsorted(self._sorted, key, "right"))
-        return self._positions[lo:hi]
-
-    def observe(self, key: int, now: float) -> bool:
-        """Note a read of `key`: it consumes the key's earliest unconsumed occurrence.
-
-        DataLoader workers read whole batches in parallel, so reads arrive out of order
-        around the reader's position, and a replayed sample occurs several times. Marking
-        occurrences consumed handles both exactly: the cursor is the first position not yet
-        read, however the reads interleave. A read that matches no unconsumed occurrence
-        within _MATCH_AHEAD of the cursor is not this plan's reader (another job, say).
-        """
-        occ = self._occurrences(key)
-        if not len(occ):
-            return False
-        i = int(np.searchsorted(occ, self.cursor))
-        while i < len(occ) and self._consumed[occ[i]]:
-            i += 1
-        if i == len(occ) or occ[i] - self.cursor > _MATCH_AHEAD:
-            return False
-        self._consumed[occ[i]] = True
-        cursor = self.cursor
-        n = len(self.keys)
-        while cursor < n and self._consumed[cursor]:
-            cursor += 1
-        self.cursor = cursor
-        self.reads += 1
-        if self.reads % _RATE_EVERY == 0:
-            dt = now - self._rate_since
-            if dt > 0:
-                inst = _RATE_EVERY / dt
-                self.rate = (
-                    inst if self.reads == _RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
-                )
-            self._rate_since = now
-        self.last_progress = now
-        return True
-
-    def next_use(self, key: int) -> float:
-        """Reads until `key` is needed again by this plan's reader (inf if never)."""
-        occ = self._occurrences(key)
-        i = int(np.searchsorted(occ, self.cursor))
-        while i < len(occ) and self._consumed[occ[i]]:
-            i += 1
-        return float(occ[i] - self.cursor) if i < len(occ) else math.inf
 
 
 class Prefetcher:
@@ -196,8 +118,13 @@ class Prefetcher:
         self._takes_left: dict[int, int] = {}  # staged key -> opens that will still take it
         self._held_since: dict[int, float] = {}  # those keys -> when they were staged
         self._inflight: dict[int, int] = {}  # key -> size
+        self._replays: set[int] = set()  # staged keys held for a replay beyond the window
+        self._replay_bytes = 0
         self._inflight_bytes = 0
         self._wake = trio.Event()
+        # Called before each scheduling round and before a fetched file is staged, so that
+        # the reads a plan's owner logs lazily (speculation) are seen first.
+        self.before_round: Callable[[], None] | None = None
         self.latency = 0.01  # seconds per fetch, EWMA
         self.fetched = 0
         self.fetched_bytes = 0
@@ -215,6 +142,8 @@ class Prefetcher:
         if old is not None:
             log.debug("plan %s replaced", plan.name)
         self.plans[plan.name] = plan
+        if len(plan):
+            plan.span = int(self.window // max(1.0, float(plan.sizes.mean())))
         self._drop_unplanned()
         self._wake.set()
         log.info("prefetch plan %s: %d reads", plan.name, len(plan))
@@ -231,6 +160,8 @@ class Prefetcher:
         for plan in self.plans.values():
             if plan.observe(key, now):
                 self._wake.set()
+        if key in self.staged and self._tier_of(key):
+            self._unstage(key)  # kept staged for this read, and cached since: a hit
         left = self._takes_left.get(key)
         if left is not None:
             # One more of a group's opens: the last one takes it out of staging.
@@ -244,6 +175,8 @@ class Prefetcher:
         """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
         mask = np.zeros(len(keys), dtype=bool)
         for plan in self.plans.values():
+            if plan.speculative:
+                continue
             mask |= np.isin(keys, plan.keys[plan.cursor :].astype(np.int64))
         return mask
 
@@ -255,6 +188,8 @@ class Prefetcher:
         """
         best = math.inf
         for plan in self.plans.values():
+            if plan.speculative:
+                continue
             reads = plan.next_use(key)
             if reads != math.inf:
                 best = min(best, plan.last_progress + reads / max(plan.rate, 1e-3))
@@ -268,8 +203,9 @@ class Prefetcher:
         if item is None:
             return None
         data, staged_sig = item
-        if key in self._takes_left and staged_sig == sig:
-            # A group's member behind the fastest will open it too: keep it staged.
+        if staged_sig == sig and (key in self._takes_left or self._wanted_again(key, len(data))):
+            # A group's member behind the fastest will open it too, or its reader reads it
+            # again soon (a replayed sample): keep it staged rather than fetch it twice.
             self.served += 1
             return data
         self._unstage(key)
@@ -280,9 +216,30 @@ class Prefetcher:
         self.served += 1
         return data
 
+    def _wanted_again(self, key: int, size: int) -> bool:
+        """Whether a known order reads `key` again: within what the window covers of the
+        plan, or further on while the replays held that way take a quarter of the window."""
+        for plan in self.plans.values():
+            if plan.speculative:
+                continue
+            reads = plan.next_use(key)
+            if reads == math.inf:
+                continue
+            if reads <= max(plan.frontier - plan.cursor, plan.span):
+                return True
+            if key in self._replays or self._replay_bytes + size <= self.window // 4:
+                if key not in self._replays:
+                    self._replays.add(key)
+                    self._replay_bytes += size
+                return True
+        return False
+
     def _unstage(self, key: int) -> None:
         data, _ = self.staged.pop(key)
         self.staged_bytes -= len(data)
+        if key in self._replays:
+            self._replays.discard(key)
+            self._replay_bytes -= len(data)
         self._takes_left.pop(key, None)
         self._held_since.pop(key, None)
 
@@ -308,6 +265,10 @@ class Prefetcher:
                         continue
                     break  # window full for now: try the next plan
                 plan.frontier += 1
+                if plan._consumed[pos]:
+                    # Its reader already opened it (workers read ahead of the cursor): a
+                    # fetch now would bring the same bytes over the link a second time.
+                    continue
                 key = int(plan.keys[pos])
                 if key in self.staged or key in self._inflight or self._tier_of(key):
                     continue
@@ -325,6 +286,8 @@ class Prefetcher:
                 with trio.move_on_after(0.5):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                if self.before_round is not None:
+                    self.before_round()
                 self._expire()
                 while len(self._inflight) < self.target_workers():
                     item = self._next_item()
@@ -355,7 +318,10 @@ class Prefetcher:
         self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
         self.fetched += 1
         self.fetched_bytes += len(data)
+        if self.before_round is not None:
+            self.before_round()  # the readers' latest opens, before deciding to stage
         if key in self.staged or self._tier_of(key) or not self._planned(key):
+            # Its reader opened it meanwhile and shared the flight: nothing to stage.
             return
         self.staged[key] = (data, sig)
         self.staged_bytes += len(data)

@@ -5,9 +5,10 @@ through pyfuse3 and sleeps (``trio.sleep``) for each open, read and metadata req
 ``Link`` makes every reply cross one shared link of fixed bandwidth. The command line that
 mounts it is ``shadefs.demo.slowfs``.
 
-The kernel is told to cache nothing (direct I/O, no keep_cache, zero entry and attribute
-timeouts): otherwise the page cache above the emulator would hide the remote that it is
-meant to emulate.
+The kernel is told to cache no file data or file attributes (direct I/O, no keep_cache,
+zero entry and attribute timeouts for files): otherwise the page cache above the emulator
+would hide the remote that it is meant to emulate. Directories' attributes and entries may
+be cached for ``dir_timeout`` seconds, as an NFS client caches them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import json
 import logging
 import os
 import random
+import resource
+import stat
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +40,11 @@ def _fuse_error(exc: OSError) -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(exc.errno or errno.EIO)
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Link:
     """A network link of fixed bandwidth shared by every request.
 
@@ -50,11 +59,16 @@ class Link:
         self.rate = rate
         self._free_at = 0.0
 
-    async def transfer(self, nbytes: int) -> None:
-        """Wait until *nbytes* have crossed the link behind earlier replies."""
+    async def transfer(self, nbytes: int, ready: float | None = None) -> None:
+        """Wait until *nbytes* have crossed the link behind earlier replies; `ready` (a
+        trio time) is when the reply is ready to be sent, now when None."""
+        now = trio.current_time()
+        ready = now if ready is None else ready
         if self.rate <= 0 or nbytes <= 0:
+            if ready > now:
+                await trio.sleep_until(ready)
             return
-        start = max(trio.current_time(), self._free_at)
+        start = max(ready, self._free_at)
         # Reserve before sleeping, so that concurrent replies queue behind this one.
         self._free_at = start + nbytes / self.rate
         await trio.sleep_until(self._free_at)
@@ -76,8 +90,10 @@ class SlowOperations(pyfuse3.Operations):
         bandwidth: float = 100e6,
         jitter: float = 0.0,
         direct_io: bool = True,
+        dir_timeout: float = 0.0,
     ) -> None:
         super().__init__()
+        self.dir_timeout = dir_timeout
         self.source = os.path.abspath(source)
         self.open_latency = open_latency
         self.read_latency = read_latency
@@ -96,15 +112,19 @@ class SlowOperations(pyfuse3.Operations):
         self.stats: dict[str, int] = dict.fromkeys(
             ("opens", "reads", "bytes", "lookups", "getattrs", "readdirs", "open_files"), 0
         )
+        self._started = self._last_read = (time.monotonic(), _cpu_seconds())
 
     # -- helpers ---------------------------------------------------------------------
 
-    async def _delay(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        if self.jitter:
+    def _scaled(self, seconds: float) -> float:
+        if self.jitter and seconds > 0:
             seconds *= max(0.0, random.uniform(1 - self.jitter, 1 + self.jitter))
-        await trio.sleep(seconds)
+        return seconds
+
+    async def _delay(self, seconds: float) -> None:
+        seconds = self._scaled(seconds)
+        if seconds > 0:
+            await trio.sleep(seconds)
 
     def _path_of(self, inode: InodeT) -> str:
         try:
@@ -151,9 +171,11 @@ class SlowOperations(pyfuse3.Operations):
         ):
             setattr(attrs, name, getattr(st, name))
         attrs.st_ino = inode
-        # Zero timeouts: every stat and path walk must reach the emulated server.
-        attrs.entry_timeout = 0
-        attrs.attr_timeout = 0
+        # Zero timeouts: every stat and open of a file must reach the emulated server. A
+        # directory's may be cached for --dir-timeout, as NFS clients do (acdirmin).
+        timeout = self.dir_timeout if stat.S_ISDIR(st.st_mode) else 0
+        attrs.entry_timeout = timeout
+        attrs.attr_timeout = timeout
         return attrs
 
     def _child(self, parent_inode: InodeT, name: bytes) -> str:
@@ -258,14 +280,15 @@ class SlowOperations(pyfuse3.Operations):
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         self.stats["reads"] += 1
-        await self._delay(self.read_latency)
         try:
             # The source is a local disk: pread returns in microseconds, and a thread
             # hop per read would cost more than the call itself.
             data = os.pread(fh, size, off)
         except OSError as exc:
             raise _fuse_error(exc) from None
-        await self.wire.transfer(len(data))
+        # One sleep for the read's latency and its transfer (each sleep costs the loop
+        # CPU): the reply is ready after the latency, then queues for the link.
+        await self.wire.transfer(len(data), trio.current_time() + self._scaled(self.read_latency))
         self.stats["bytes"] += len(data)
         return data
 
@@ -276,9 +299,20 @@ class SlowOperations(pyfuse3.Operations):
     # -- extended attributes ---------------------------------------------------------
 
     def stats_document(self) -> dict[str, Any]:
-        """Return the counters and settings reported by the stats xattr."""
+        """Return the counters and settings reported by the stats xattr.
+
+        `cpu_seconds` is this process's CPU time; `cpu_share` its share of one core since
+        the mount, `cpu_share_recent` since the previous read of the stats (a benchmark
+        reading them once per epoch gets the epoch's share).
+        """
+        now, cpu = time.monotonic(), _cpu_seconds()
+        (t0, c0), (t1, c1) = self._started, self._last_read
+        self._last_read = (now, cpu)
         return {
             **self.stats,
+            "cpu_seconds": round(cpu, 3),
+            "cpu_share": round((cpu - c0) / max(now - t0, 1e-9), 4),
+            "cpu_share_recent": round((cpu - c1) / max(now - t1, 1e-9), 4),
             "pid": os.getpid(),
             "source": self.source,
             "open_latency_ms": self.open_latency * 1e3,
@@ -286,6 +320,7 @@ class SlowOperations(pyfuse3.Operations):
             "meta_latency_ms": self.meta_latency * 1e3,
             "bandwidth_mb_s": self.wire.rate / 1e6,
             "jitter": self.jitter,
+            "dir_timeout_s": self.dir_timeout,
         }
 
     async def getxattr(self, inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

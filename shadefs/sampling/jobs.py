@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from shadefs.stats import JobStats
@@ -52,6 +53,9 @@ class Job:
     last_seen: float = 0.0  # time.monotonic() of its last read (to the sweep period)
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
+    # The keys it opened since the read tracker last took them (sampling/epochs.py): the
+    # hit path appends one machine word, the tracker reads them in batches.
+    reads: array[int] = field(default_factory=lambda: array("Q"))
 
 
 def _read(path: str) -> bytes | None:

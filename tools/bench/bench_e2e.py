@@ -5,13 +5,16 @@
 What is measured: the wall time of each training epoch (from ``iter(loader)`` to the last
 step) of an unchanged torchvision job -- ``ImageFolder`` + ``DataLoader`` (4 workers, PIL
 JPEG decode, RandomResizedCrop(64) + flip + ToTensor + Normalize) -- reading the same
-JPEG dataset in five ways:
+JPEG dataset in seven ways:
 
   (a) the emulated remote directly: a ``shadefs.demo.slowfs`` mount of the dataset;
-  (b) shadefs over that remote, RandomSampler, ``--policy epoch --no-prefetch``;
+  (b) shadefs over that remote, RandomSampler, ``--policy epoch --no-prefetch
+      --no-speculate`` (unchanged code, nothing prefetched);
   (c) shadefs over that remote, ShadeSampler, ``--policy shade --no-prefetch``;
   (d) (c) with the prefetcher (``--prefetch [--prefetch-window SIZE]``);
-  (e) the local copy of the data (page cache dropped first): the limit for any cache.
+  (e) the local copy of the data (page cache dropped first): the limit for any cache;
+  (f) (b) with speculative prefetch, the default (unchanged code: its unread files staged);
+  (g) unchanged code, RAM 20% and an SSD tier large enough for the data (``--ssd``).
 
 Each configuration gets fresh mounts (slowfs and shadefs) and runs E epochs; epoch 1 is
 cold. The remote defaults to 5 ms per open, 0.5 ms per lookup/getattr/readdir and one
@@ -30,8 +33,13 @@ Per configuration it prints the epoch times, the mean over epochs 2..E, the rati
 and (e), the hit ratio per epoch (stats.json hits / (hits + misses), deltas), the time
 opens spent blocked on the source (stats.json ``blocked_seconds``, deltas; "n/a" in a
 shadefs without it), the prefetcher's counters and the bytes that crossed the emulated
-link. A summary checks the targets: (d) <= 1.3 x (e); (d) >= 3 x faster than (a);
-blocked time with prefetching <= 10% of the epoch.
+link. A table puts each configuration against its physical limit: limit = max(local epoch
+time, remote bytes / link bandwidth), efficiency = limit / epoch time, the readers' blocked
+share, remote bytes / bytes of the distinct files fetched (stats.json ``source_fetch_bytes -
+refetch_bytes``) and the emulator's CPU in cores. A summary checks the targets: (d) <= 1.3 x
+(e); (d) >= 3 x faster than (a); blocked time with prefetching <= 10% of the epoch; (f) >=
+3.5 x faster than (a); (g) epochs 2+ <= 1.1 x (e); efficiency >= 0.85 for (d) and >= 0.8
+for (f); remote bytes <= 1.02 x distinct bytes in every configuration and epoch.
 
 Live progress (per-epoch lines with CPU and cache churn) goes to stderr; stdout gets the
 header, the tables and the summary. ``--slowfs PATH`` swaps in another emulator script.
@@ -41,10 +49,9 @@ What bounds the figures on a small machine (measured on the 2-core VM, busy with
 - every configuration decodes every JPEG, so none can beat (e), and (d) cannot be more than
   t(a)/t(e) times faster than (a). PIL decode + transform costs 4.4-6.7 ms of CPU per
   500x375 JPEG, so (e) runs at ~300-400 samples/s with both cores at ~100%;
-- (a) is bound by the emulator, not its knobs: slowfs serves one request at a time in
-  Python, and an unchanged PIL reader costs it ~16 requests per JPEG (open, 4 direct-I/O
-  reads, 2 lookups, 4+ getattrs, flush, release): ~30 ms per file per reader instead of
-  the nominal 5 + 6 x 0.5 + 1.1 ms, ~3.4 ms of slowfs CPU per file;
+- (a) costs slowfs ~2.2 ms of CPU per file (an unchanged PIL reader sends it ~16
+  requests per JPEG: open, direct-I/O reads, lookups, getattrs, flush, release), which
+  the machine's cores pay next to decoding; requests overlap (each latency is a sleep);
 - through shadefs every miss costs CPU in both Python daemons (~2.5 ms slowfs + ~2 ms
   shadefs), taken from the same 2 cores as decode. With a hit ratio h an epoch needs at
   least N (decode + (1 - h) 4.5 ms) / 2 cores, so (d) cannot get near 1.3 x (e) here
@@ -57,6 +64,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -92,6 +100,10 @@ from torchvision.datasets import ImageFolder
 TARGET_VS_LOCAL = 1.3  # (d) epoch time <= 1.3 x (e)
 TARGET_VS_REMOTE = 3.0  # (d) at least 3 x faster than (a)
 TARGET_BLOCKED = 0.10  # blocked time with prefetching <= 10% of the epoch
+TARGET_F_VS_REMOTE = 3.5  # (f) unchanged code + speculation at least 3.5 x faster than (a)
+TARGET_G_VS_LOCAL = 1.1  # (g) epochs 2+ <= 1.1 x (e)
+TARGET_EFF_D, TARGET_EFF_F = 0.85, 0.8  # limit / epoch time
+TARGET_EXCESS = 1.02  # remote bytes <= 1.02 x the bytes of the distinct files fetched
 # stats.json's prefetch counters (the other fields of that section are gauges)
 PREFETCH_COUNTERS = frozenset(
     ("fetched", "fetched_bytes", "served", "wasted", "errors", "skipped")
@@ -116,6 +128,8 @@ class Epoch:
     misses: int | None = None
     blocked: float | None = None
     remote_bytes: int | None = None
+    fetch_bytes: int | None = None  # shadefs: bytes of whole files fetched from the source
+    refetch_bytes: int | None = None  # of those, files already fetched this epoch
     cpu_slowfs: float | None = None  # CPU seconds of the slowfs daemon in this epoch
     cpu_shadefs: float | None = None  # and of the shadefs daemon
     busy: float = 0.0  # share of the machine's CPU in use (all processes, all cores)
@@ -194,6 +208,9 @@ class Probe:
             }
             if "inodes_known" in s1:
                 epoch.new_inodes = int(s1["inodes_known"]) - int(s0["inodes_known"])
+            if "source_fetch_bytes" in s1:
+                epoch.fetch_bytes = int(s1["source_fetch_bytes"]) - int(s0["source_fetch_bytes"])
+                epoch.refetch_bytes = int(s1["refetch_bytes"]) - int(s0["refetch_bytes"])
             if "blocked_seconds" in s1:
                 epoch.blocked = float(s1["blocked_seconds"]) - float(s0.get("blocked_seconds", 0))
             p0, p1 = _numbers(s0.get("prefetch")), _numbers(s1.get("prefetch"))
@@ -311,6 +328,10 @@ def run_config(
             root = remote
         else:
             drop_page_cache(data)  # so that epoch 1 of (e) is cold too
+        if cfg.shadefs is not None and "--ssd" in cfg.shadefs:
+            ssd = Path(cfg.shadefs[cfg.shadefs.index("--ssd") + 1].rsplit(":", 1)[0])
+            shutil.rmtree(ssd, ignore_errors=True)  # a cold SSD tier, as the RAM tier
+            ssd.mkdir(parents=True)
         if cfg.shadefs is not None:
             log = str(args.log_dir / f"shadefs-{cfg.key}.log") if args.log_dir else "none"
             options = [*cfg.shadefs, "--log", log]
@@ -438,6 +459,103 @@ def print_results(results: list[Result], epochs: int) -> None:
             print(f"    ({r.config.key}) prefetch window {text} (stats.json)")
 
 
+def _local_time(results: list[Result], i: int, cpu_floor: float) -> tuple[float, str]:
+    """The local copy's time for epoch i (its steady mean after epoch 1), or the CPU floor."""
+    e = next((r for r in results if r.config.key == "e" and r.epochs), None)
+    if e is None:
+        return cpu_floor, "CPU floor"
+    if i == 0:
+        return e.epochs[0].seconds, "(e) ep1"
+    return e.steady or e.epochs[0].seconds, "(e)"
+
+
+@dataclass
+class Limits:
+    """One configuration against the physical limit, over its steady epochs (2..E)."""
+
+    seconds: float
+    limit: float
+    bound: str  # what sets the limit: the local copy or the link
+    blocked: float | None  # share of the readers' time spent blocked on the source
+    remote: float | None  # bytes over the link per epoch
+    distinct: float | None  # bytes of the distinct files fetched per epoch
+    emulator: float | None  # the emulator's CPU, as a share of one core
+
+    @property
+    def efficiency(self) -> float:
+        return self.limit / self.seconds
+
+    @property
+    def excess(self) -> float | None:
+        if self.remote is None or not self.distinct:
+            return None
+        return self.remote / self.distinct
+
+
+def limits(
+    r: Result, results: list[Result], args: argparse.Namespace, cpu_floor: float, nbytes: int
+) -> list[Limits]:
+    """Per epoch: limit = max(local epoch time, remote bytes / link bandwidth)."""
+    out = []
+    bw = args.bandwidth * 1e6
+    for i, x in enumerate(r.epochs):
+        local, name = _local_time(results, i, cpu_floor)
+        link = (x.remote_bytes or 0) / bw if bw > 0 else 0.0
+        limit, bound = (link, "link") if link > local else (local, name)
+        blocked = None if x.blocked is None else x.blocked / (x.seconds * args.workers)
+        if r.config.shadefs is None:
+            # Straight from the remote, each file is read once an epoch.
+            distinct: float | None = nbytes if r.config.remote else None
+        elif x.fetch_bytes is not None and x.refetch_bytes is not None:
+            distinct = x.fetch_bytes - x.refetch_bytes
+        else:
+            distinct = None
+        emulator = None if x.cpu_slowfs is None else x.cpu_slowfs / x.seconds
+        out.append(Limits(x.seconds, limit, bound, blocked, x.remote_bytes, distinct, emulator))
+    return out
+
+
+def print_limits(
+    results: list[Result], args: argparse.Namespace, cpu_floor: float, nbytes: int
+) -> dict[str, list[Limits]]:
+    """The table against the physical limit; returns it per configuration."""
+    print(
+        "\nagainst the physical limit: limit = max(local epoch time, remote bytes / "
+        f"{args.bandwidth:g} MB/s), efficiency = limit / epoch time; blocked = share of the "
+        f"{args.workers} readers' time spent waiting on the source; remote/distinct = bytes "
+        "over the link / bytes of the distinct files fetched; slowfs = the emulator's CPU "
+        "in cores (epoch 1 | mean of epochs 2..E)"
+    )
+    print(
+        f"{'':4}{'epoch s':>14} {'limit s':>14} {'bound':>10} {'efficiency':>12} "
+        f"{'blocked':>12} {'remote MB':>14} {'remote/distinct':>16} {'slowfs':>12}"
+    )
+    table: dict[str, list[Limits]] = {}
+    for r in results:
+        if not r.epochs:
+            continue
+        rows = table[r.config.key] = limits(r, results, args, cpu_floor, nbytes)
+        first, tail = rows[0], rows[1:] or rows[:1]
+
+        def pair(get: Any, spec: str, first: Limits = first, tail: list[Limits] = tail) -> str:
+            a = get(first)
+            vals = [get(x) for x in tail]
+            b = None if any(v is None for v in vals) else sum(vals) / len(vals)
+            return f"{_fmt(a, spec)} | {_fmt(b, spec)}"
+
+        bound = tail[-1].bound
+        print(
+            f"({r.config.key}) {pair(lambda x: x.seconds, '5.2f'):>14} "
+            f"{pair(lambda x: x.limit, '5.2f'):>14} {bound:>10} "
+            f"{pair(lambda x: x.efficiency, '4.2f'):>12} "
+            f"{pair(lambda x: x.blocked, '4.0%'):>12} "
+            f"{pair(lambda x: None if x.remote is None else x.remote / 1e6, '5.0f'):>14} "
+            f"{pair(lambda x: x.excess, '5.3f'):>16} "
+            f"{pair(lambda x: x.emulator, '4.2f'):>12}"
+        )
+    return table
+
+
 def summary(results: list[Result], cpu_floor: float, workers: int) -> None:
     by = {r.config.key: r for r in results if r.epochs}
     a, d, e = by.get("a"), by.get("d"), by.get("e")
@@ -492,6 +610,52 @@ def summary(results: list[Result], cpu_floor: float, workers: int) -> None:
     )
 
 
+def more_targets(results: list[Result], table: dict[str, list[Limits]]) -> None:
+    """The targets on unchanged code, the SSD tier, efficiency and bytes fetched once."""
+    by = {r.config.key: r for r in results if r.epochs}
+    a, e, f, g = (by.get(k) for k in "aefg")
+
+    def check(name: str, ok: bool | None, text: str) -> None:
+        verdict = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"  {name:<34} {verdict}  {text}")
+
+    if a is not None and f is not None and a.steady and f.steady:
+        ratio = a.steady / f.steady
+        check(f"(f) >= {TARGET_F_VS_REMOTE} x faster than (a)", ratio >= TARGET_F_VS_REMOTE,
+              f"{a.steady:.2f} s / {f.steady:.2f} s = {ratio:.2f} x")  # fmt: skip
+    else:
+        check(f"(f) >= {TARGET_F_VS_REMOTE} x faster than (a)", None, "(a) or (f) not run")
+    if g is not None and e is not None and g.steady and e.steady:
+        ratio = g.steady / e.steady
+        check(f"(g) <= {TARGET_G_VS_LOCAL} x (e), epochs 2+", ratio <= TARGET_G_VS_LOCAL,
+              f"{g.steady:.2f} s vs {e.steady:.2f} s (ratio {ratio:.2f})")  # fmt: skip
+    else:
+        check(f"(g) <= {TARGET_G_VS_LOCAL} x (e), epochs 2+", None, "(e) or (g) not run")
+    for key, target in (("d", TARGET_EFF_D), ("f", TARGET_EFF_F)):
+        rows = table.get(key)
+        if not rows:
+            check(f"efficiency ({key}) >= {target}", None, f"({key}) not run")
+            continue
+        tail = rows[1:] or rows
+        eff = sum(x.limit for x in tail) / sum(x.seconds for x in tail)
+        check(f"efficiency ({key}) >= {target}", eff >= target, f"{eff:.2f}, epochs 2..E")
+        shares = [x.blocked for x in tail if x.blocked is not None]
+        if shares:
+            share = sum(shares) / len(shares)
+            check(f"blocked per reader ({key}) <= 10%", share <= TARGET_BLOCKED,
+                  f"{100 * share:.1f}% of the readers' time, epochs 2..E")  # fmt: skip
+    worst: tuple[float, str] | None = None
+    for key, rows in table.items():
+        for i, x in enumerate(rows):
+            if x.excess is not None and (worst is None or x.excess > worst[0]):
+                worst = (x.excess, f"({key}) epoch {i + 1}")
+    if worst is None:
+        check(f"remote <= {TARGET_EXCESS} x distinct", None, "no remote configuration ran")
+    else:
+        check(f"remote <= {TARGET_EXCESS} x distinct", worst[0] <= TARGET_EXCESS,
+              f"worst {worst[0]:.3f} in {worst[1]}")  # fmt: skip
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -528,7 +692,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--model", choices=("tiny", "none"), default="tiny")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--configs", default="abcde", help="which of a-e to run (default all)")
+    g.add_argument("--configs", default="abcdefg", help="which of a-g to run (default all)")
     args = ap.parse_args(argv)
     try:
         w, h = (int(v) for v in args.image_size.lower().split("x"))
@@ -540,14 +704,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.log_dir is not None:
         args.log_dir = args.log_dir.resolve()  # the daemons change directory to /
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    if set(args.configs) - set("abcde"):
-        ap.error("--configs takes letters from 'abcde'")
+    if set(args.configs) - set("abcdefg"):
+        ap.error("--configs takes letters from 'abcdefg'")
     return args
 
 
-def configs(args: argparse.Namespace, ram: int, help_text: str) -> tuple[list[Config], str | None]:
+def configs(
+    args: argparse.Namespace, ram: int, help_text: str, ssd_dir: Path, ssd_size: int
+) -> tuple[list[Config], str | None]:
     has_prefetch = "--prefetch-window" in help_text
     no_prefetch = ["--no-prefetch"] if "--no-prefetch" in help_text else []
+    # (b) is the unchanged job without any prefetching; (f) the same with speculation.
+    no_speculate = ["--no-speculate"] if "--no-speculate" in help_text else []
     base = ["--ram", str(ram)]
     prefetch = ["--prefetch"] if "--prefetch" in help_text.replace("--prefetch-", "") else []
     if args.prefetch_window:
@@ -559,7 +727,7 @@ def configs(args: argparse.Namespace, ram: int, help_text: str) -> tuple[list[Co
             "b",
             "shadefs epoch, RandomSampler",
             True,
-            [*base, "--policy", "epoch", *no_prefetch],
+            [*base, "--policy", "epoch", *no_prefetch, *no_speculate],
             "uniform",
         ),
         Config(
@@ -577,6 +745,20 @@ def configs(args: argparse.Namespace, ram: int, help_text: str) -> tuple[list[Co
             "shade",
         ),
         Config("e", "local copy (the limit)", False, None, "uniform"),
+        Config(
+            "f",
+            "unchanged + speculative prefetch",
+            True,
+            [*base, "--policy", "epoch", *prefetch],
+            "uniform",
+        ),
+        Config(
+            "g",
+            "unchanged, RAM 20% + SSD for all",
+            True,
+            [*base, "--policy", "epoch", "--ssd", f"{ssd_dir}:{ssd_size}"],
+            "uniform",
+        ),
     ]
     skip_d = None
     if not has_prefetch:
@@ -615,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         "--jitter", f"{args.jitter:g}",
     ]  # fmt: skip
     help_text = shadefs_mount_help()
-    cfgs, skip_d = configs(args, ram, help_text)
+    ssd_dir = args.workdir / "ssd"  # emptied before (g) runs
+    cfgs, skip_d = configs(args, ram, help_text, ssd_dir, 2 * nbytes + (64 << 20))
     decode = decode_cost(data)
     step = step_cost(args.classes, args.batch_size) if args.model == "tiny" else 0.0
     per_sample_cpu = decode + step / args.batch_size
@@ -689,7 +872,9 @@ def main(argv: list[str] | None = None) -> int:
                 path.rmdir()  # empty mount points only; a stuck mount stays visible
 
     print_results(results, args.epochs)
+    table = print_limits(results, args, cpu_floor, nbytes)
     summary(results, cpu_floor, args.workers)
+    more_targets(results, table)
     return 0
 
 

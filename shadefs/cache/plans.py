@@ -1,0 +1,113 @@
+"""Plans: known future read orders, and where their reader is in them.
+
+A plan is a sequence of cache keys with the paths to fetch them from and their sizes: the
+share of an epoch's PADS order that a rank read back, a list of paths a job wrote to
+`.shadefs/plan`, or a speculative guess (cache/speculate.py). The reader's position (its
+cursor) is inferred by matching every open against the plan (`observe`), so no cooperation
+from the reading processes is needed, and DataLoader workers that read out of order are
+tolerated. The prefetcher (cache/prefetch.py) fetches ahead of the cursor; the policies ask
+`next_use`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Plan"]
+
+# The read rate is re-estimated every this many reads.
+_RATE_EVERY = 16
+# How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
+# taken for another job's read of the same file, and leaves the cursor alone).
+_MATCH_AHEAD = 4096
+_DEFAULT_RATE = 100.0  # reads/s assumed for a plan before it has been observed
+_EWMA = 0.2
+
+
+class Plan:
+    """A known future read order: keys, the paths to fetch them from, their sizes."""
+
+    def __init__(
+        self, name: str, keys: np.ndarray, paths: Sequence[bytes], sizes: np.ndarray
+    ) -> None:
+        if not len(keys) == len(paths) == len(sizes):
+            raise ValueError("a plan needs one path and one size per key")
+        self.name = name
+        self.keys = keys.astype(np.uint64, copy=False)
+        self.paths = paths
+        self.sizes = sizes.astype(np.int64, copy=False)
+        self.readers = 1  # the jobs that read this plan (a sweep group's members)
+        self.span = 0  # entries the staging window covers (set by the prefetcher)
+        self.cursor = 0  # the reader's next position
+        self.frontier = 0  # the prefetcher's next position to consider
+        order = np.argsort(self.keys, kind="stable")
+        self._sorted = self.keys[order]
+        self._positions = order.astype(np.int64)  # ascending within each key (stable sort)
+        self._consumed = np.zeros(len(self.keys), dtype=bool)
+        now = time.monotonic()
+        self.created = now
+        self.last_progress = now
+        self._rate_since = now
+        self.rate = _DEFAULT_RATE
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    speculative = False  # a guess (speculate.py): the policies ignore it (planned, next_use)
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= len(self.keys)
+
+    def _occurrences(self, key: int) -> np.ndarray:
+        lo = int(np.searchsorted(self._sorted, key, "left"))
+        hi = int(np.searchsorted(self._sorted, key, "right"))
+        return self._positions[lo:hi]
+
+    def observe(self, key: int, now: float) -> bool:
+        """Note a read of `key`: it consumes the key's earliest unconsumed occurrence.
+
+        DataLoader workers read whole batches in parallel, so reads arrive out of order
+        around the reader's position, and a replayed sample occurs several times. Marking
+        occurrences consumed handles both exactly: the cursor is the first position not yet
+        read, however the reads interleave. A read that matches no unconsumed occurrence
+        within _MATCH_AHEAD of the cursor is not this plan's reader (another job, say).
+        """
+        occ = self._occurrences(key)
+        if not len(occ):
+            return False
+        i = int(np.searchsorted(occ, self.cursor))
+        while i < len(occ) and self._consumed[occ[i]]:
+            i += 1
+        if i == len(occ) or occ[i] - self.cursor > _MATCH_AHEAD:
+            return False
+        self._consumed[occ[i]] = True
+        cursor = self.cursor
+        n = len(self.keys)
+        while cursor < n and self._consumed[cursor]:
+            cursor += 1
+        self.cursor = cursor
+        self.reads += 1
+        if self.reads % _RATE_EVERY == 0:
+            dt = now - self._rate_since
+            if dt > 0:
+                inst = _RATE_EVERY / dt
+                self.rate = (
+                    inst if self.reads == _RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
+                )
+            self._rate_since = now
+        self.last_progress = now
+        return True
+
+    def next_use(self, key: int) -> float:
+        """Reads until `key` is needed again by this plan's reader (inf if never)."""
+        occ = self._occurrences(key)
+        i = int(np.searchsorted(occ, self.cursor))
+        while i < len(occ) and self._consumed[occ[i]]:
+            i += 1
+        return float(occ[i] - self.cursor) if i < len(occ) else math.inf
