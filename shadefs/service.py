@@ -190,7 +190,7 @@ class Service:
         """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy."""
         table = self.cache.jobs
         self.cache.expire_jobs(time.monotonic())
-        return tuple(table.describe(self.cache.job_epochs()))
+        return tuple(table.describe(self.cache.policy.job_epochs()))
 
     # --- ControlService: what can be asked for -------------------------------------------
 

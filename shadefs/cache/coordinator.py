@@ -12,7 +12,7 @@ reads on a source descriptor when blocks are off or the file exceeds the whole b
 
 The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
 two callables it needs (`fetch_ahead`, `tier_of`), so prefetch.py does not import this
-module. It builds both tiers' policies by name, since `belady` reads the prefetcher's plans.
+module. It builds both tiers' policies by name (`belady` reads the prefetcher's plans).
 `start(nursery)` starts the tiers' and the prefetcher's tasks and the idle-job sweep.
 
 Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
@@ -92,16 +92,17 @@ class Cache:
         owns: Callable[[int], bool] | None = None,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
-        key's importance to `shade`. `ssd` is an SSD tier's store, whose restored entries get
-        their keys from `key_of_ino`. `handle_limit` bounds what open handles keep alive
-        outside the RAM tier (None: the RAM budget). `jobs` tells the readers' jobs apart."""
+        key's importance to `shade`; `owns` a multi-node job's ownership (policies/owned.py).
+        `ssd` is an SSD tier's store, whose restored entries get their keys from `key_of_ino`.
+        `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
+        RAM budget). `jobs` tells the readers' jobs apart."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
         self._max_entry = max_entry
         self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
-        self._owns = owns  # a multi-node job's ownership (policies/owned.py)
+        self._owns = owns
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -395,10 +396,6 @@ class Cache:
                 policy.job_ended(merged)
             policy.job_named(row, self.jobs.jobs[row].group)
         return row
-
-    def job_epochs(self) -> dict[int, int]:
-        """The RAM policy's epoch of each job row it tracks."""
-        return self.policy.job_epochs()
 
     def drop(self) -> int:
         """Forget every file cached in RAM (the SSD tier is kept); returns how many."""
