@@ -95,25 +95,36 @@ def locality_shares(
     if length == 0:
         return [np.empty(0, dtype=np.int64) for _ in range(world)]
     per_rank = -(-length // world)
-    padded = order[np.arange(per_rank * world) % length]  # DistributedSampler's wrap
+    pad = per_rank * world - length
+    padded = np.concatenate([order, order[np.arange(pad) % length]]) if pad else order
+    # Node indices as small ints: the stable sorts below are then radix sorts (one pass).
+    small = np.int16 if nodes < 2**15 else np.int32
 
-    # The node each entry would rather go to: a holder of its sample (the owner if it is
-    # one, else the first holder), or -1 when no node holds it.
-    pref = np.full(len(padded), -1, dtype=np.int64)
-    for k in range(nodes - 1, -1, -1):
-        pref[resident[k][padded]] = k
+    # The node each sample would rather go to: a holder of it (the owner if it is one, else
+    # the first holder), or -1 when no node holds it; per sample, then per entry.
+    held = resident.any(axis=0)
+    first_holder = np.where(held, resident.argmax(axis=0), -1).astype(small)
     if owner is not None:
-        own = np.asarray(owner, dtype=np.int64)[padded]
-        pref = np.where(resident[own, padded], own, pref)
+        own = np.asarray(owner).astype(small)
+        owner_holds = resident[own, np.arange(resident.shape[1])]
+        first_holder = np.where(owner_holds, own, first_holder)
+    pref = first_holder[padded]
 
     ranks_of = [np.flatnonzero(rank_node == k) for k in range(nodes)]
     quota = np.array([len(r) * per_rank for r in ranks_of], dtype=np.int64)
-    node = np.full(len(padded), -1, dtype=np.int64)
+    # Each node takes the earliest entries that prefer it, up to its quota: group the
+    # entries by preference, keeping their order within a group.
+    by_pref = np.argsort(pref, kind="stable")
+    bounds = np.searchsorted(pref[by_pref], np.arange(-1, nodes + 1))
+    node: np.ndarray = np.full(len(padded), -1, dtype=small)
+    taken = np.zeros(nodes, dtype=np.int64)
     for k in range(nodes):
-        wanted = np.flatnonzero(pref == k)[: quota[k]]
+        lo, hi = bounds[k + 1], bounds[k + 2]
+        wanted = by_pref[lo : min(hi, lo + quota[k])]
         node[wanted] = k
+        taken[k] = len(wanted)
     rest = np.flatnonzero(node < 0)
-    left = quota - np.bincount(node[node >= 0], minlength=nodes)
+    left = quota - taken
     # Deal the rest so that each node's part of it is spread evenly through the epoch: node
     # k's j-th slot sits at (j + 0.5) / left[k] of the remaining list.
     labels = np.repeat(np.arange(nodes, dtype=np.int64), left)
@@ -122,9 +133,12 @@ def locality_shares(
     spot = (slot + 0.5) / np.maximum(left, 1)[labels]
     node[rest] = labels[np.argsort(spot, kind="stable")]
 
+    # Every node's entries in epoch order, from one stable sort by node.
+    by_node = padded[np.argsort(node, kind="stable")]
+    ends = np.cumsum(quota)
     shares: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * world
     for k in range(nodes):
-        mine = padded[node == k]
+        mine = by_node[ends[k] - quota[k] : ends[k]]
         for j, rank in enumerate(ranks_of[k]):
             shares[int(rank)] = mine[j :: len(ranks_of[k])]
     return shares

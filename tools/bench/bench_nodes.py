@@ -3,7 +3,8 @@ independent caches, through N shadefs mounts over one emulated slow remote.
 
     python tools/bench/bench_nodes.py [--nodes 2] [--ranks-per-node 1] [--files 2000]
         [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1]
-    python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8]
+    python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8] [--gloo]
+        [--mount DIR]
 
 Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fraction` of the
 bytes) over one slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency
@@ -27,7 +28,9 @@ slowest rank; 2-core machines are CPU-bound, so compare the two runs, not absolu
 in process: packing every node's residency bitmap, the pickling an all-gather does,
 encoding the daemon message, unpacking it, building the global order from the union,
 ownership and every rank's share; with ``--gloo`` also the all-gather of the bitmaps and
-the broadcast of the order over a gloo world of one process per node on this machine.
+the broadcast of the order over a gloo world of one process per node on this machine;
+with ``--mount DIR`` also the daemon's side over FUSE (a mount of N tiny files, the residency
+request, rank 0's build, another node's install of the order it broadcasts).
 """
 
 from __future__ import annotations
@@ -104,6 +107,50 @@ def order_only(n: int, nodes: int, ranks_per_node: int, repeats: int) -> None:
     print(f"  bitmap per node {wire_nodes.bitmap_bytes(n) / 1e3:.0f} kB; goal < 1 s")
 
 
+def order_through_mount(n: int, nodes: int, ranks_per_node: int, repeats: int, root: Path) -> None:
+    """The daemon's side of the step over FUSE, as the sampler drives it: the residency
+    request, rank 0's build (order + shares), and another node's install of that order."""
+    from bench_namespace import build_tree
+
+    from shadefs.sampling import placement, wire, wire_nodes
+    from shadefs.torch.client import ControlClient
+
+    src = root / f"{n}x200" / "src"
+    rels = build_tree(root / f"{n}x200", n, 200)
+    rng = np.random.default_rng(0)
+    ids = tuple(placement.node_id(f"node{k}", "/mnt/shade") for k in range(nodes))
+    rank_node = np.repeat(np.arange(nodes), ranks_per_node)
+    holds = [wire_nodes.encode_resident(rng.random(n) < 0.2)[16:] for _ in range(nodes)]
+    phases: dict[str, list[float]] = {}
+    mnt = root / "mnt-nodes"
+    mnt.mkdir(exist_ok=True)
+    with mounted(src, mnt, "--ram", "64M", "--log", "none"):
+        client = ControlClient(mnt)
+        client.register(wire.encode_dataset(rels))
+        for epoch in range(repeats):
+            t = time.perf_counter()
+            raw = client.order(wire_nodes.encode_resident_request(n))
+            holds[0] = wire_nodes.decode_resident(raw, n)
+            phases.setdefault("residency request (node 0's daemon)", []).append(
+                time.perf_counter() - t
+            )
+            t = time.perf_counter()
+            msg = wire_nodes.encode_node_order(epoch, 1, 0, ids, rank_node, holds, n)
+            order = wire.decode_order_response(client.order(msg), n)[1]
+            phases.setdefault("rank 0: build the order and its node's shares", []).append(
+                time.perf_counter() - t
+            )
+            t = time.perf_counter()
+            msg = wire_nodes.encode_node_order(epoch, 1, 1, ids, rank_node, holds, n, order)
+            client.order(msg)
+            phases.setdefault("another node: install that order", []).append(
+                time.perf_counter() - t
+            )
+    print(f"through a mount, N={n} registered, {nodes} nodes x {ranks_per_node} ranks:")
+    for name, times in phases.items():
+        print(f"  {name:<45} {statistics.median(times) * 1e3:8.1f} ms")
+
+
 def _gloo_main(rank: int, world: int, n: int, repeats: int, rdv: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -111,7 +158,7 @@ def _gloo_main(rank: int, world: int, n: int, repeats: int, rdv: str, out: str) 
     try:
         rng = np.random.default_rng(rank)
         bitmap = np.packbits(rng.random(n) < 0.2).tobytes()
-        order = rng.permutation(n).astype(np.int64) if rank == 0 else None
+        order = rng.permutation(n).astype(np.int32) if rank == 0 else None  # as the sampler
         gather, bcast = [], []
         for _ in range(repeats):
             dist.barrier()
@@ -142,7 +189,8 @@ def gloo_collectives(n: int, world: int, repeats: int) -> None:
     print(
         f"gloo over loopback, {world} processes: all-gather of the bitmaps "
         f"{statistics.median(gather) * 1e3:.1f} ms, broadcast of the order "
-        f"({8 * n / 1e6:.0f} MB) {statistics.median(bcast) * 1e3:.1f} ms (medians of {repeats})"
+        f"(int32, {4 * n / 1e6:.0f} MB) {statistics.median(bcast) * 1e3:.1f} ms "
+        f"(medians of {repeats})"
     )
 
 
@@ -280,12 +328,23 @@ def main() -> None:
         action="store_true",
         help="--order-only: also time the collectives (one process per node, gloo over loopback)",
     )
+    ap.add_argument(
+        "--mount",
+        type=Path,
+        metavar="DIR",
+        help="--order-only: also time the daemon's side through a mount of a tree of N tiny "
+        "files built (once) under DIR, as bench_namespace builds it",
+    )
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args()
     if args.order_only:
         order_only(args.samples, args.nodes, args.ranks_per_node, args.repeats)
         if args.gloo:
             gloo_collectives(args.samples, args.nodes, args.repeats)
+        if args.mount:
+            order_through_mount(
+                args.samples, args.nodes, args.ranks_per_node, args.repeats, args.mount
+            )
         return
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmpdir:
