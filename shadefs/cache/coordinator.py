@@ -221,7 +221,8 @@ class Cache:
         self.metrics.misses += 1
         reader.misses += 1
         reader.bytes += st.st_size
-        if prefetcher is not None and self.handles.held + st.st_size <= self.handle_limit:
+        room = self.handles.held + st.st_size <= self.handle_limit
+        if prefetcher is not None and room:
             data = prefetcher.take(key, sig)
             if data is not None:
                 self._adopt(key, path, data, sig)
@@ -229,7 +230,7 @@ class Cache:
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
-        if self.handles.held + st.st_size > self.handle_limit:
+        if not room:
             # Open handles already keep too much evicted data alive: read this one through
             # rather than hold another copy outside the budget.
             self.metrics.passthrough_opens += 1

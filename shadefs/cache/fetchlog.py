@@ -60,9 +60,11 @@ class FetchLog:
         self.fetch_bytes += nbytes
         if key < 0:
             return False  # a block (cache/block_keys.py): not a whole file
-        if key in self and self.sync is not None:
-            self.sync()
-        if key in self:
+        seen = key in self
+        if seen and self.sync is not None:
+            self.sync()  # the job's latest reads may end the epoch, which clears the log
+            seen = key in self
+        if seen:
             self.refetches += 1
             self.refetch_bytes += nbytes
             log.debug("key %d fetched again this epoch", key)
