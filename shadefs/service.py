@@ -28,7 +28,7 @@ import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.policies import Owned
+from shadefs.cache.policies import POLICIES, Owned
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.speculate import Speculator
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
@@ -93,6 +93,7 @@ class Service:
             prefetch=prefetch,
             jobs=JobTable(opts.job_idle),
             owns=self.sampling.owns_key,
+            pending=self.sampling.pending,
         )
         self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
         self._nursery: trio.Nursery | None = None
@@ -196,7 +197,7 @@ class Service:
 
     @property
     def policy_names(self) -> Sequence[str]:
-        return self.cache.policies
+        return POLICIES
 
     @property
     def has_ssd(self) -> bool:

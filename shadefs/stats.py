@@ -100,6 +100,7 @@ class PolicyState:
     epoch_source: str | None = None  # epoch: "sampler" or "inferred"
     min_score: float | None = None  # shade: the lowest and highest resident importance
     max_score: float | None = None
+    kept: int | None = None  # shade: entries kept for reads still to come this epoch
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in _dump(self).items() if v is not None}

@@ -86,6 +86,7 @@ def full(**top: Any) -> Stats:
                 epoch_source="sampler",
                 min_score=0.1,
                 max_score=0.9,
+                kept=2,
             ),
             handles=HandleStats(bytes=2048, limit=4096, open=5, passthrough_opens=1),
             ssd=ssd,

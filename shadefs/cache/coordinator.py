@@ -35,12 +35,13 @@ from shadefs.cache.block_keys import by_file
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.handles import HandleLedger
-from shadefs.cache.policies import POLICIES, Policy, make_policy
+from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.sampling.jobs import Job, JobTable
+from shadefs.sampling.pending import PendingReads
 from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
@@ -90,12 +91,14 @@ class Cache:
         handle_limit: int | None = None,
         jobs: JobTable | None = None,
         owns: Callable[[int], bool] | None = None,
+        pending: PendingReads | None = None,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
-        key's importance to `shade`; `owns` a multi-node job's ownership (policies/owned.py).
-        `ssd` is an SSD tier's store, whose restored entries get their keys from `key_of_ino`.
-        `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
-        RAM budget). `jobs` tells the readers' jobs apart."""
+        key's importance to `shade`, and `pending` the reads the epoch's known orders still
+        make (each open is one; `shade` keeps such entries); `owns` a multi-node job's
+        ownership (policies/owned.py). `ssd` is an SSD tier's store, whose restored entries
+        get keys from `key_of_ino`. `handle_limit` bounds what open handles keep alive
+        outside the RAM tier (None: the RAM budget). `jobs` tells the readers' jobs apart."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -103,6 +106,7 @@ class Cache:
         self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
         self._owns = owns
+        self.pending = pending
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -159,10 +163,7 @@ class Cache:
         """Recompute `whole_max`, the largest file some tier caches whole (larger ones are
         cached in blocks); after a budget changes. A plain attribute, because every open
         compares the file's size with it."""
-        whole = self.max_entry
-        if self.ssd is not None:
-            whole = max(whole, self.ssd.max_entry)
-        self.whole_max = whole
+        self.whole_max = max(self.max_entry, self.ssd.max_entry if self.ssd else 0)
 
     @property
     def handle_limit(self) -> int:
@@ -175,6 +176,8 @@ class Cache:
         is the reading thread (its job is looked up in `jobs`). The bytes returned are
         pinned for the handle (`unpin` them when it is released)."""
         sig = Signature.of(st)
+        if self.pending is not None:
+            self.pending.read(key)  # before the policies hear of the read
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
         reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
@@ -296,7 +299,7 @@ class Cache:
             self.ssd.offer(key, path, data, sig)
 
     def _admit(self, key: int, data: bytes, sig: Signature) -> None:
-        if len(data) <= self.max_entry:
+        if len(data) <= self.max_entry:  # larger ones are the SSD tier's or passed through
             self.admit(key, data, sig)
 
     def admit(self, key: int, data: bytes, sig: Signature) -> None:
@@ -322,15 +325,14 @@ class Cache:
         self.policy.inserted(key, size)
         self.handles.admitted(data)
 
-    def remove(self, key: int) -> None:
-        """Drop a resident entry (a block of a file that changed)."""
-        self._remove(key)
-
     def _remove(self, key: int) -> None:
+        """Drop a resident entry (also a block of a file that changed)."""
         entry = self.entries.pop(key)
         self.used -= len(entry.data)
         self.policy.removed(key)
         self.handles.evicted(entry.data)
+
+    remove = _remove  # blocks.py drops the blocks of a file that changed
 
     def unpin(self, data: bytes) -> None:
         """A handle that held `data` was released."""
@@ -348,8 +350,6 @@ class Cache:
                 self.evictions += 1
         # Entries that are now above max_entry stay until evicted: they are still valid.
 
-    policies = POLICIES
-
     def _make_policy(self, name: str) -> Policy:
         pf, score_of = self.prefetcher, self._score_of
         return make_policy(
@@ -358,6 +358,7 @@ class Cache:
             by_file(pf.next_use) if pf is not None else None,
             pf.planned if pf is not None else None,
             self._owns,
+            self.pending.pending if self.pending is not None else None,
         )
 
     def _policies(self) -> list[Policy]:
@@ -432,11 +433,8 @@ class Cache:
         return found
 
     def describe(self) -> CacheStats:
-        ram = RamStats(
-            bytes=self.used, capacity=self.capacity, entries=len(self.entries), hits=self.ram_hits
-        )
         return CacheStats(
-            ram=ram,
+            ram=RamStats(self.used, self.capacity, len(self.entries), self.ram_hits),
             max_entry=self.max_entry,
             admitted=self.admitted,
             evictions=self.evictions,

@@ -146,6 +146,7 @@ METRICS: tuple[Sample, ...] = (
     _g("cache.policy.epoch", "policy_epoch", "Epoch the policy is in"),
     _g("cache.policy.min_score", "policy_min_score", "Lowest importance held"),
     _g("cache.policy.max_score", "policy_max_score", "Highest importance held"),
+    _g("cache.policy.kept", "policy_kept", "Entries kept for reads still to come this epoch"),
     *_tier("ram", "bytes", "capacity", "entries", "hits"),
     _g("cache.ssd.bytes", "ssd_bytes", "Bytes held in the SSD tier (on disk)"),
     _g("cache.ssd.capacity", "ssd_capacity_bytes", "SSD tier budget in bytes"),

@@ -33,6 +33,7 @@ import numpy as np
 
 from shadefs.sampling import pads, placement, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
+from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.stats import SamplerStats
 
@@ -113,6 +114,7 @@ class Sampling:
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self.table = ImportanceTable(0)
+        self.pending = PendingReads(self.sample_of)  # reads to come this epoch, per sample
         self.replay = pads.ReplayController()
         self.fixed_replay: float | None = None
         self.epoch = 0
@@ -153,6 +155,7 @@ class Sampling:
         self._sorted_keys = keys[order]
         self._sorted_ids = order.astype(np.int64)
         self.table = ImportanceTable(len(paths))
+        self.pending.reset(len(paths))
         self._orders.clear()
         self._shares.clear()
         self.partition = None
@@ -251,6 +254,7 @@ class Sampling:
                 time.perf_counter() - t0,
             )
             self._orders[cache_key] = full
+            self.pending.expect(request.epoch, full)
             while len(self._orders) > _ORDERS_KEPT:
                 self._orders.popitem(last=False)
         self.orders_served += 1
@@ -275,6 +279,12 @@ class Sampling:
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
         shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+        mine = [
+            share
+            for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
+            if node == msg.me
+        ]
+        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0])
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)

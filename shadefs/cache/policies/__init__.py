@@ -45,12 +45,14 @@ def make_policy(
     next_use: Callable[[int], float] | None = None,
     planned: Callable[[np.ndarray], np.ndarray] | None = None,
     owns: Callable[[int], bool] | None = None,
+    pending: Callable[[int], bool] | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
     `belady` by `next_use` (every key infinitely far if None); `epoch` asks `planned`
     what a sweep group's order still reads. With `owns`, admission favours the keys this
-    node owns in a multi-node job (`Owned`)."""
-    policy = _make(name, score, next_use, planned)
+    node owns in a multi-node job (`Owned`). `shade` keeps what `pending` says the epoch's
+    known order still reads."""
+    policy = _make(name, score, next_use, planned, pending)
     return Owned(policy, owns) if owns is not None else policy
 
 
@@ -59,13 +61,14 @@ def _make(
     score: Callable[[int], float] | None,
     next_use: Callable[[int], float] | None,
     planned: Callable[[np.ndarray], np.ndarray] | None,
+    pending: Callable[[int], bool] | None = None,
 ) -> Policy:
     if name == "epoch":
         return EpochPolicy(planned)
     if name == "lru":
         return LruPolicy()
     if name == "shade":
-        return ShadePolicy(score or (lambda key: 0.5))
+        return ShadePolicy(score or (lambda key: 0.5), pending)
     if name == "belady":
         return BeladyPolicy(next_use or (lambda key: math.inf))
     raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -6,6 +6,7 @@ importance sampler, which replays resident samples (DESIGN.md fact 2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -26,19 +27,44 @@ class ShadePolicy(Policy):
     loss batch costs the policy nothing, and eviction does O(log n) work per re-ranked entry.
     Ties keep what is resident (strictly more important to get in), so equal scores mean no
     churn: with no losses reported yet this behaves like a static cache.
+
+    With `pending`, an entry that this epoch's known order reads again ranks above every
+    other (infinitely important) until its last read: a miss never evicts it, so each
+    sample crosses the link at most once per epoch (a miss that will be read again ranks
+    so too, and may evict only entries without reads to come).
     """
 
     name = "shade"
 
-    def __init__(self, score: Callable[[int], float]) -> None:
+    def __init__(
+        self, score: Callable[[int], float], pending: Callable[[int], bool] | None = None
+    ) -> None:
+        """`pending(key)`: whether a known order reads `key` again this epoch
+        (sampling/pending.py); such an entry ranks above every other."""
         super().__init__()
         self.score = score
+        self.pending = pending
         self._ranked: SortedList = SortedList()
         self._rank_of: dict[int, float] = {}
 
+    def _rank(self, key: int) -> float:
+        # An entry the epoch still reads is worth a hit this epoch, more than any entry it
+        # could make room for: evicting it would fetch it again before the epoch ends.
+        if self.pending is not None and self.pending(key):
+            return math.inf
+        return self.score(key)
+
+    def _rerank(self, key: int) -> None:
+        old = self._rank_of[key]
+        new = self._rank(key)
+        if new != old:
+            self._ranked.remove((old, key))
+            self._ranked.add((new, key))
+            self._rank_of[key] = new
+
     def inserted(self, key: int, size: int) -> None:
         super().inserted(key, size)
-        s = self.score(key)
+        s = self._rank(key)
         self._rank_of[key] = s
         self._ranked.add((s, key))
 
@@ -49,17 +75,27 @@ class ShadePolicy(Policy):
             self._ranked.remove((s, key))
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
-        pass  # reads say nothing about importance under an importance sampler
+        # Reads say nothing about importance under an importance sampler; the last read of
+        # an entry the epoch was still to read makes it an ordinary entry again.
+        if self._rank_of.get(key) == math.inf:
+            self._rerank(key)
+
+    def begin_epoch(self, epoch: int, job: int | None = None) -> None:
+        # A new order replaced the pending reads: entries the old one still had to read are
+        # no longer kept for it. (Those the new one reads are found stale by `_bottom`.)
+        top = self._ranked.bisect_left((math.inf, -math.inf))
+        for _, key in list(self._ranked[top:]):
+            self._rerank(key)
 
     def _bottom(self) -> Iterator[tuple[float, int]]:
         """Entries from the least important up, each re-ranked to its current score first."""
-        return lazy_walk(self._ranked, self._rank_of, self.score, descending=False)
+        return lazy_walk(self._ranked, self._rank_of, self._rank, descending=False)
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
         need = size - free
         if need <= 0:
             return []
-        incoming = self.score(key)
+        incoming = self._rank(key)
         return ranked_victims(self._bottom(), self.sizes, need, lambda s: s >= incoming)
 
     def shrink(self, need: int) -> list[int]:
@@ -69,5 +105,14 @@ class ShadePolicy(Policy):
         d = super().describe()
         if not self._ranked:
             return d
-        low, high = round(self._ranked[0][0], 4), round(self._ranked[-1][0], 4)
-        return replace(d, min_score=low, max_score=high)
+        # Kept entries rank infinitely high; the scores shown are the others' (JSON has no
+        # infinity), or the kept ones' own when every entry is kept.
+        top = self._ranked.bisect_left((math.inf, -math.inf))
+        kept = len(self._ranked) - top
+        if top:
+            low, high = self._ranked[0][0], self._ranked[top - 1][0]
+        else:
+            scores = [self.score(key) for _, key in self._ranked]
+            low, high = min(scores), max(scores)
+        d = replace(d, min_score=round(low, 4), max_score=round(high, 4))
+        return replace(d, kept=kept) if self.pending is not None else d

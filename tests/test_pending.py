@@ -1,0 +1,154 @@
+"""Reads still to come this epoch: `shade` keeps what the known order reads again."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import trio
+
+from shadefs.cache.coordinator import Cache
+from shadefs.sampling import wire
+from shadefs.sampling.pending import PendingReads
+from shadefs.sampling.registry import Sampling
+from shadefs.stats import Metrics
+
+SIZE = 1000
+
+
+class _Source:
+    """1000-byte files named b"/<key>"; every fetch is counted."""
+
+    def __init__(self) -> None:
+        self.fetches: list[int] = []
+
+    @staticmethod
+    def stat(key: int) -> SimpleNamespace:
+        return SimpleNamespace(st_size=SIZE, st_mtime_ns=1, st_ctime_ns=1, st_ino=key)
+
+    async def read_file(self, path: bytes, size: int | None = None):
+        key = int(path[1:])
+        self.fetches.append(key)
+        return bytes(SIZE), self.stat(key)
+
+
+def test_pending_reads_count_down_and_a_later_epoch_starts_afresh() -> None:
+    pending = PendingReads(lambda key: key - 10 if 10 <= key < 15 else -1)
+    pending.reset(5)
+    assert not pending.pending(10)
+    pending.read(10)  # no order yet: nothing to count
+    pending.expect(1, np.array([0, 0, 3]))
+    assert pending.pending(10) and pending.pending(13) and not pending.pending(11)
+    pending.read(10)
+    assert pending.pending(10)
+    pending.read(10)
+    pending.read(10)  # a read beyond the order's does not go negative
+    assert not pending.pending(10) and pending.total == 1
+    assert not pending.pending(99) and not pending.pending(-5)  # outside the dataset
+    pending.expect(1, np.array([1]))  # another job's order of the same epoch adds
+    assert pending.total == 2
+    pending.expect(2, np.array([4]))  # a later epoch replaces
+    assert pending.total == 1 and pending.pending(14) and not pending.pending(13)
+
+
+def test_an_order_counts_every_entry_of_every_rank() -> None:
+    s = Sampling()
+    n = 50
+
+    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(100, 100 + n, dtype=np.uint64), np.full(n, SIZE, dtype=np.int64)
+
+    trio.run(s.register, [f"f{i}" for i in range(n)], resolve)
+    s.set_replay(2.0)
+    resident = np.zeros(n, dtype=bool)
+    resident[:10] = True
+    share = s.order(wire.OrderRequest(1, 0, 2, 7), lambda keys: resident)
+    other = s.order(wire.OrderRequest(1, 1, 2, 7), lambda keys: resident)
+    assert s.pending.total == len(share) + len(other) == n  # built once, counted once
+    assert int(s.pending.left[:10].sum()) == 20  # each resident sample is read twice
+
+
+def _epoch(cache: Cache, source: _Source, order: list[int]) -> list[bool]:
+    """Open every key of `order` as a reader would; whether each open was a hit."""
+
+    async def run() -> list[bool]:
+        hits = []
+        for key in order:
+            before = cache.metrics.hits
+            data = await cache.open(key, b"/%d" % key, source.stat(key))
+            hits.append(cache.metrics.hits > before)
+            assert data is not None
+            cache.unpin(data)  # the handle is released
+        return hits
+
+    return trio.run(run)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bool) -> None:
+    # Room for 8 files. Samples 0-7 are resident and unimportant; the epoch reads each of
+    # them twice (replays), with 8 more important misses (8-15) read in between. Evicting
+    # a resident sample for a miss would fetch it again for its second read.
+    n = 16
+    scores = np.array([0.1] * 8 + [0.9] * 8)
+    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
+    pending.reset(n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=8 * SIZE,
+        max_entry=SIZE,
+        policy="shade",
+        score_of=lambda key: float(scores[key]),
+        pending=pending if kept else None,
+    )
+    _epoch(cache, source, list(range(8)))  # epoch 0 makes 0-7 resident
+    assert sorted(cache.entries) == list(range(8))
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+    pending.expect(1, np.array(order))
+    cache.begin_epoch(1)
+    source.fetches.clear()
+    hits = _epoch(cache, source, order)
+    if kept:
+        # Each sample crossed the link once: the misses, and no resident sample again.
+        assert sorted(source.fetches) == list(range(8, 16))
+        assert cache.fetchlog.refetches == 0 and all(
+            h for h, k in zip(hits, order, strict=True) if k < 8
+        )
+        assert cache.describe().policy.kept == 0  # the epoch read them all
+    else:
+        # Without it the important misses push out resident samples still to be read.
+        assert cache.fetchlog.refetches > 0
+    # What stays for the next epoch is still chosen by importance once nothing is pending:
+    # the next miss of an important sample takes the place of an unimportant one.
+    _epoch(cache, source, [15, 14])
+    assert 15 in cache.entries and 14 in cache.entries
+
+
+def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
+    n = 4
+    scores = np.array([0.1, 0.1, 0.9, 0.9])
+    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
+    pending.reset(n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=2 * SIZE,
+        max_entry=SIZE,
+        policy="shade",
+        score_of=lambda key: float(scores[key]),
+        pending=pending,
+    )
+    _epoch(cache, source, [0, 1])
+    pending.expect(1, np.array([0, 1, 2, 0, 1]))
+    cache.begin_epoch(1)
+    _epoch(cache, source, [0, 1, 2])  # the job stops before its replays
+    assert sorted(cache.entries) == [0, 1] and cache.describe().policy.kept == 2
+    pending.expect(2, np.array([3]))  # the next epoch's order reads neither again
+    cache.begin_epoch(2)
+    assert cache.describe().policy.kept == 0
+    _epoch(cache, source, [3])
+    assert 3 in cache.entries  # more important, and nothing is kept any more
