@@ -313,8 +313,9 @@ class Service:
 
     def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
+        members = self.cache.jobs.members(group) if group else 1
         with _refusing():
-            share = self.sampling.order(request, self._resident, group)
+            share = self.sampling.order(request, self._resident, group, members)
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The
@@ -323,7 +324,6 @@ class Service:
             s = self.sampling
             seed = f"group={group}" if group else f"seed={request.seed}"
             name = f"order:{seed}:world={request.world_size}:rank={request.rank}"
-            members = self.cache.jobs.members(group) if group else 1
             plan = self.prefetcher.plans.get(name)
             if group and plan is not None and self._plan_epochs.get(name, -1) >= request.epoch:
                 plan.readers = members

@@ -50,6 +50,8 @@ def test_pending_reads_count_down_and_a_later_epoch_starts_afresh() -> None:
     assert pending.total == 2
     pending.expect(2, np.array([4]))  # a later epoch replaces
     assert pending.total == 1 and pending.pending(14) and not pending.pending(13)
+    pending.expect(3, np.array([1, 2]), readers=3)  # a sweep group's members read it each
+    assert pending.total == 6 and int(pending.left[1]) == 3
 
 
 def test_an_order_counts_every_entry_of_every_rank() -> None:

@@ -9,11 +9,12 @@ keeps an entry with reads to come above every entry without (cache/policies/shad
 it is not evicted for a miss until the epoch has read it for the last time.
 
 The counts are exact for one job on one node, whatever its number of ranks (the order is
-built once and holds every rank's share) and for a multi-node job (this node's ranks'
-shares). Several jobs' orders of one epoch add up; an order of a later epoch than the
-counts' starts them afresh, so a job that runs ahead cuts the protection of one that runs
-behind short: it then fetches a little more, never wrongly. Counts of a job that stops
-mid-epoch stay until the next order is built; they only keep entries resident.
+built once and holds every rank's share), for a multi-node job (this node's ranks' shares)
+and for a sweep group (its members read one order each). Several jobs' orders of one epoch
+add up; an order of a later epoch than the counts' starts them afresh, so a job that runs
+ahead cuts the protection of one that runs behind short: it then fetches a little more,
+never wrongly. Counts of a job that stops mid-epoch stay until the next order is built;
+they only keep entries resident.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ class PendingReads:
         self.left = np.zeros(n, dtype=np.int32)
         self.epoch = -1
 
-    def expect(self, epoch: int, samples: np.ndarray) -> None:
-        """This node's readers will read `samples` (ids, repeats counted) in `epoch`."""
+    def expect(self, epoch: int, samples: np.ndarray, readers: int = 1) -> None:
+        """This node's readers will read `samples` (ids, repeats counted) in `epoch`;
+        `readers` times (the members of a sweep group read one order each)."""
         if epoch > self.epoch:
             self.left[:] = 0
             self.epoch = epoch
         if len(samples):
             counts = np.bincount(samples, minlength=len(self.left)).astype(np.int32)
+            counts *= max(1, readers)
             if len(counts) > len(self.left):  # ids past the registered ones (a test's table)
                 counts[: len(self.left)] += self.left
                 self.left = counts

@@ -224,9 +224,11 @@ class Sampling:
         request: wire.OrderRequest,
         resident: Callable[[np.ndarray], np.ndarray],
         group: str = "",
+        readers: int = 1,
     ) -> np.ndarray:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
-        cached. The members of sweep group `group` ("" for none) share one order."""
+        cached. The members of sweep group `group` ("" for none) share one order, which
+        each of its `readers` members reads whole."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
@@ -254,7 +256,7 @@ class Sampling:
                 time.perf_counter() - t0,
             )
             self._orders[cache_key] = full
-            self.pending.expect(request.epoch, full)
+            self.pending.expect(request.epoch, full, readers)
             while len(self._orders) > _ORDERS_KEPT:
                 self._orders.popitem(last=False)
         self.orders_served += 1
