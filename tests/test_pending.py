@@ -87,25 +87,32 @@ def _epoch(cache: Cache, source: _Source, order: list[int]) -> list[bool]:
     return trio.run(run)
 
 
-@pytest.mark.parametrize("kept", [True, False])
-def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bool) -> None:
-    # Room for 8 files. Samples 0-7 are resident and unimportant; the epoch reads each of
-    # them twice (replays), with 8 more important misses (8-15) read in between. Evicting
-    # a resident sample for a miss would fetch it again for its second read.
-    n = 16
-    scores = np.array([0.1] * 8 + [0.9] * 8)
+def _shade_cache(
+    scores: list[float], slots: int, kept: bool = True
+) -> tuple[_Source, PendingReads, Cache]:
+    """A `shade` cache with room for `slots` files; key k is sample k, of score scores[k]."""
+    n = len(scores)
     pending = PendingReads(lambda key: key if 0 <= key < n else -1)
     pending.reset(n)
     source = _Source()
     cache = Cache(
         source,  # type: ignore[arg-type]
         Metrics(),
-        capacity=8 * SIZE,
+        capacity=slots * SIZE,
         max_entry=SIZE,
         policy="shade",
-        score_of=lambda key: float(scores[key]),
+        score_of=lambda key: scores[key],
         pending=pending if kept else None,
     )
+    return source, pending, cache
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bool) -> None:
+    # Room for 8 files. Samples 0-7 are resident and unimportant; the epoch reads each of
+    # them twice (replays), with 8 more important misses (8-15) read in between. Evicting
+    # a resident sample for a miss would fetch it again for its second read.
+    source, pending, cache = _shade_cache([0.1] * 8 + [0.9] * 8, slots=8, kept=kept)
     _epoch(cache, source, list(range(8)))  # epoch 0 makes 0-7 resident
     assert sorted(cache.entries) == list(range(8))
     order = [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
@@ -130,20 +137,7 @@ def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bo
 
 
 def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
-    n = 4
-    scores = np.array([0.1, 0.1, 0.9, 0.9])
-    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
-    pending.reset(n)
-    source = _Source()
-    cache = Cache(
-        source,  # type: ignore[arg-type]
-        Metrics(),
-        capacity=2 * SIZE,
-        max_entry=SIZE,
-        policy="shade",
-        score_of=lambda key: float(scores[key]),
-        pending=pending,
-    )
+    source, pending, cache = _shade_cache([0.1, 0.1, 0.9, 0.9], slots=2)
     _epoch(cache, source, [0, 1])
     pending.expect(1, np.array([0, 1, 2, 0, 1]))
     cache.begin_epoch(1)

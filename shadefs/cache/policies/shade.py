@@ -106,13 +106,9 @@ class ShadePolicy(Policy):
         if not self._ranked:
             return d
         # Kept entries rank infinitely high; the scores shown are the others' (JSON has no
-        # infinity), or the kept ones' own when every entry is kept.
+        # infinity, and looking up every kept entry's score would stall the event loop).
         top = self._ranked.bisect_left((math.inf, -math.inf))
-        kept = len(self._ranked) - top
         if top:
             low, high = self._ranked[0][0], self._ranked[top - 1][0]
-        else:
-            scores = [self.score(key) for _, key in self._ranked]
-            low, high = min(scores), max(scores)
-        d = replace(d, min_score=round(low, 4), max_score=round(high, 4))
-        return replace(d, kept=kept) if self.pending is not None else d
+            d = replace(d, min_score=round(low, 4), max_score=round(high, 4))
+        return replace(d, kept=len(self._ranked) - top) if self.pending is not None else d
