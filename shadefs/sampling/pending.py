@@ -67,8 +67,3 @@ class PendingReads:
             return False
         sid = self.sample_of(key)
         return sid >= 0 and bool(self.left[sid] > 0)
-
-    @property
-    def total(self) -> int:
-        """Reads still to come, over every sample (for stats and tests)."""
-        return int(self.left.sum())
