@@ -1,7 +1,7 @@
 """The demo's figure: hit ratio, test accuracy and epoch time per epoch, one line per run.
 
 The baseline run (key ``remote``: the training reading the emulated remote directly) is
-drawn grey and dashed, under the others: its accuracy is the uniform run's (same model,
+drawn grey and dashed, under the others: its accuracy matches the uniform run's (same model,
 seed and order), and the uniform line must stay visible on top of it. It has no hit ratio,
 so it has no line in that panel.
 
