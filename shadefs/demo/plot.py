@@ -1,5 +1,10 @@
 """The demo's figure: hit ratio, test accuracy and epoch time per epoch, one line per run.
 
+The baseline run (key ``remote``: the training reading the emulated remote directly) is
+drawn grey and dashed, under the others: its accuracy matches the uniform run's (same model,
+seed and order), and the uniform line must stay visible on top of it. It has no hit ratio,
+so it has no line in that panel.
+
 This module owns the PNG that ``shadefs demo`` writes. It draws with matplotlib's Agg
 canvas directly (no pyplot, no display, no global backend state), so it works on a headless
 training node and inside a test. matplotlib comes with the ``torch`` extra; only the demo
@@ -21,7 +26,9 @@ log = logging.getLogger(__name__)
 DPI = 100
 SIZE = (1400, 480)
 #: One colour per run key; a run the demo does not know gets matplotlib's next colour.
-COLOURS = {"uniform": "tab:red", "shade": "tab:blue"}
+COLOURS = {"remote": "tab:gray", "uniform": "tab:red", "shade": "tab:blue"}
+#: How the baseline is drawn; other runs get solid lines with round markers.
+BASELINE = "remote"
 
 
 class EpochPoint(Protocol):
@@ -43,11 +50,13 @@ class EpochPoint(Protocol):
 
 @dataclass(frozen=True)
 class Run:
-    """One line in every panel: the run's key (its colour), its legend label and its epochs."""
+    """One line in every panel: the run's key (its colour), its legend label, its epochs, and
+    the short name that the printed tables and summary lines use (the key when empty)."""
 
     key: str
     label: str
     epochs: Sequence[EpochPoint]
+    name: str = ""
 
 
 def _later(epochs: Sequence[EpochPoint]) -> Sequence[EpochPoint]:
@@ -96,26 +105,29 @@ class _Panel:
     summary: str
     figure: Callable[[Sequence[EpochPoint]], float]
     spec: str
+    #: Why a run has no line here, said in the panel so that it does not look lost.
+    absent: str
 
 
 PANELS = (
     _Panel(
         "cache hit ratio", "hits / opens", lambda e: e.hit_ratio, True,
-        "epochs 2+", later_hit_ratio, ".2f",
+        "epochs 2+", later_hit_ratio, ".2f", "no cache, no hit ratio",
     ),
     _Panel(
         "test accuracy", "accuracy", lambda e: e.test_accuracy, True,
-        "last epoch", final_accuracy, ".3f",
+        "last epoch", final_accuracy, ".3f", "no test set",
     ),
     _Panel(
         "time per epoch", "seconds", lambda e: e.epoch_time, False,
-        "mean of epochs 2+", mean_epoch_time, ".1f",
+        # Not "mean of epochs 2+": three runs' figures must fit the panel's width.
+        "epochs 2+", mean_epoch_time, ".1f", "not measured",
     ),
 )  # fmt: skip
 
 
 def _summary_line(panel: _Panel, runs: Sequence[Run], last_epoch: int) -> str:
-    """E.g. 'mean of epochs 2+: uniform 7.2 s, shade 1.2 s'; runs without a figure left out."""
+    """E.g. 'epochs 2+: uniform 7.2 s, shade 1.2 s'; runs without a figure left out."""
     which = panel.summary if last_epoch > 1 else panel.summary.replace("epochs 2+", "epoch 1")
     unit = " s" if panel.unit == "seconds" else ""
     parts = []
@@ -144,18 +156,29 @@ def write_plot(runs: Sequence[Run], path: Path, title: str) -> None:
         ax.set_xlim(0.5, last_epoch + 0.5)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
-        drawn = False
+        drawn, absent = False, []
         for run in runs:
             xs, ys = _series(run.epochs, panel.value)
-            if xs:
-                ax.plot(xs, ys, marker="o", color=COLOURS.get(run.key), label=run.label)
-                drawn = True
+            if not xs:
+                absent.append(run.key)
+                continue
+            if run.key == BASELINE:
+                style = {"linestyle": "--", "marker": "s", "linewidth": 3, "markersize": 8}
+            else:
+                style = {"marker": "o", "zorder": 3}
+            ax.plot(xs, ys, color=COLOURS.get(run.key), label=run.label, **style)
+            drawn = True
         if panel.fraction:
             ax.set_ylim(0, 1.05)
         else:
             ax.set_ylim(bottom=0)
         if not drawn:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        elif absent:
+            note = f"{', '.join(absent)}: {panel.absent}"
+            ax.text(
+                0.98, 0.02, note, ha="right", va="bottom", color="dimgray", transform=ax.transAxes
+            )
     # Every run has epoch times, not always hit ratios or accuracies (no mount, no test set).
     handles, labels = axes[-1].get_legend_handles_labels()
     if handles:

@@ -3,9 +3,12 @@
 This module owns the demo's run: it builds scikit-learn's digits as an ImageFolder in a
 work directory, puts it behind ``shadefs.demo.slowfs`` (an emulated slow remote), mounts
 shadefs over that with RAM for 20% of the training bytes, and trains the same small CNN
-twice: uniform sampling over the default ``epoch`` policy, then ``ShadeSampler`` over the
-``shade`` policy. It prints the hit ratio, accuracy and time of every epoch and a summary
-table, and writes a PNG with matplotlib (``shadefs.demo.plot``).
+three times: first reading the emulated remote directly (no shadefs: the baseline, what the
+user has today), then uniform sampling through shadefs with the default ``epoch`` policy,
+then ``ShadeSampler`` through shadefs with the ``shade`` policy. All three go through the
+same training loop (``shadefs.demo.digits.train``), which times every epoch itself. It
+prints the hit ratio, accuracy and time of every epoch and the summaries
+(``shadefs.demo.report``), and writes a PNG with matplotlib (``shadefs.demo.plot``).
 
 Every mount it makes is unmounted on the way out, also on Ctrl-C, SIGTERM or SIGHUP:
 ``shadefs umount`` first, ``fusermount3 -u -z`` if that fails."""
@@ -17,7 +20,6 @@ import contextlib
 import functools
 import importlib.util
 import logging
-import math
 import os
 import re
 import shutil
@@ -32,7 +34,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from shadefs.demo.plot import Run, mean_epoch_time, write_plot
+from shadefs.demo import report
+from shadefs.demo.plot import Run, write_plot
 
 if TYPE_CHECKING:
     from shadefs.demo.digits import EpochRecord
@@ -47,9 +50,26 @@ REPLAY = 3
 SLOWFS_ARGS = ("--open-latency", "3", "--meta-latency", "0", "--bandwidth", "100")
 PLOT_NAME = "shadefs-demo.png"
 
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: its key (colour, per-epoch lines), the shadefs policy it mounts with
+    (None: it reads the remote directly), its label (legend, summary table) and its short
+    name (epoch table, summary lines)."""
+
+    key: str
+    policy: str | None
+    label: str
+    name: str
+
+
+#: The baseline first: every speed-up the demo prints is against it.
 RUNS = (
-    ("uniform", "epoch", "uniform sampling, epoch policy"),
-    ("shade", "shade", f"ShadeSampler (replay {REPLAY}), shade policy"),
+    RunSpec("remote", None, "remote directly (no shadefs), uniform sampling", "remote directly"),
+    RunSpec("uniform", "epoch", "shadefs: uniform sampling, epoch policy", "shadefs uniform"),
+    RunSpec(
+        "shade", "shade", f"shadefs: ShadeSampler (replay {REPLAY}), shade policy", "ShadeSampler"
+    ),
 )
 
 
@@ -197,52 +217,8 @@ def _split_dataset(root: Path) -> tuple[str, str | None]:
     return ".", None
 
 
-def _print_epoch(name: str, rec: EpochRecord) -> None:
-    acc = "   n/a" if math.isnan(rec.test_accuracy) else f"{rec.test_accuracy:6.3f}"
-    print(
-        f"  {name:8s} epoch {rec.epoch + 1:2d}: hit ratio {rec.hit_ratio or 0.0:5.3f}  "
-        f"accuracy {acc}  time {rec.epoch_time:5.1f} s  misses {rec.misses:5d}",
-        flush=True,
-    )
-
-
-def _epoch_table(results: dict[str, list[EpochRecord]]) -> list[str]:
-    """One row per epoch, the runs side by side."""
-    keys = [key for key, _, _ in RUNS if results.get(key)]
-    head = "epoch " + "".join(f"| {key + ': hit ratio  accuracy  time (s)':42s}" for key in keys)
-    lines = [head, "-" * len(head)]
-    for e in range(max(len(results[k]) for k in keys)):
-        row = f"{e + 1:5d} "
-        for key in keys:
-            recs = results[key]
-            if e >= len(recs):
-                row += "| " + " " * 42
-                continue
-            r = recs[e]
-            acc = "n/a" if math.isnan(r.test_accuracy) else f"{r.test_accuracy:.3f}"
-            cell = f"{' ' * len(key)}  {r.hit_ratio or 0.0:9.3f}  {acc:>8s}  {r.epoch_time:8.1f}"
-            row += f"| {cell:42s}"
-        lines.append(row)
-    return lines
-
-
-def _summary(results: dict[str, list[EpochRecord]]) -> list[str]:
-    from shadefs.demo.digits import hit_ratio
-
-    lines = [
-        f"{'run':48s} {'hit ratio':>9s} {'hit ratio':>9s} {'final':>8s} {'s/epoch':>8s}",
-        f"{'':48s} {'all':>9s} {'epochs 2+':>9s} {'accuracy':>8s} {'':>8s}",
-    ]
-    for key, _policy, label in RUNS:
-        recs = results.get(key)
-        if not recs:
-            continue
-        acc = recs[-1].test_accuracy
-        acc_s = "n/a" if math.isnan(acc) else f"{acc:.3f}"
-        mean_t = sum(r.epoch_time for r in recs) / len(recs)
-        later = f"{hit_ratio(recs, 1):.3f}" if len(recs) > 1 else "n/a"
-        lines.append(f"{label:48s} {hit_ratio(recs, 0):9.3f} {later:>9s} {acc_s:>8s} {mean_t:8.1f}")
-    return lines
+def _print_epoch(key: str, rec: EpochRecord) -> None:
+    print(report.epoch_line(key, rec), flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -329,35 +305,35 @@ def _run(
 
     # Leave a core to the daemon: on a small machine it and the model share the CPUs.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    results: dict[str, list[EpochRecord]] = {}
-    for key, policy, label in RUNS:
-        mnt = workdir / f"mnt-{key}"
-        _mount_shadefs(mounts, source, mnt, log_dir, "--ram", str(ram), "--policy", policy)
-        print(f"{label}:", flush=True)
-        results[key] = digits.train(
-            mnt / train_rel,
+    runs: list[Run] = []
+    for spec in RUNS:
+        if spec.policy is None:
+            # The baseline: the same loop over the remote's own mount, nothing in between.
+            mnt = None
+            train_dir = source / train_rel
+        else:
+            mnt = workdir / f"mnt-{spec.key}"
+            opts = ("--ram", str(ram), "--policy", spec.policy)
+            _mount_shadefs(mounts, source, mnt, log_dir, *opts)
+            train_dir = mnt / train_rel
+        print(f"{spec.label}:", flush=True)
+        records = digits.train(
+            train_dir,
             # Evaluation reads the dataset directly, so it does not touch the cache.
             data / test_rel if test_rel else None,
-            sampler=key,
+            sampler="shade" if spec.key == "shade" else "uniform",
             epochs=epochs,
-            replay=REPLAY if key == "shade" else None,
-            on_epoch=functools.partial(_print_epoch, key),
+            replay=REPLAY if spec.key == "shade" else None,
+            on_epoch=functools.partial(_print_epoch, spec.key),
         )
-        mounts.release(mnt)
+        runs.append(Run(spec.key, spec.label, records, spec.name))
+        if mnt is not None:
+            mounts.release(mnt)
 
     print()
-    for line in [*_epoch_table(results), "", *_summary(results)]:
+    tables = [*report.epoch_table(runs), "", *report.summary_table(runs)]
+    for line in [*tables, *report.summary_lines(runs)]:
         print(line)
-    if epochs > 1 and all(results.values()):
-        u, s = (digits.hit_ratio(results[k], 1) for k in ("uniform", "shade"))
-        if u > 0:
-            print(f"hit ratio after the first epoch: ShadeSampler {s / u:.1f}x uniform")
-        tu, ts = (mean_epoch_time(results[k]) for k in ("uniform", "shade"))
-        print(
-            f"time per epoch after the first: uniform {tu:.1f} s, ShadeSampler {ts:.1f} s"
-            + (f" ({tu / ts:.1f}x faster)" if ts > 0 else "")
-        )
-    runs = [Run(key, label, results[key]) for key, _policy, label in RUNS if key in results]
     name = "digits" if dataset is None else data.name
     title = f"shadefs demo: {name}, RAM {RAM_FRACTION:.0%} of the training bytes, source {what}"
     try:
