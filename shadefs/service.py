@@ -31,7 +31,8 @@ from shadefs.cache.coordinator import Cache
 from shadefs.cache.policies import POLICIES, Owned
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.speculate import Speculator
-from shadefs.cache.ssd_store import CacheLocked, CacheUntrusted, SsdStore, check_owner
+from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
+from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control

@@ -8,14 +8,16 @@ Security section states what they show.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_tree, shadefs_cmd
+from tests.conftest import make_tree, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
 
@@ -67,3 +69,98 @@ def test_cache_dir_deleted_while_mounted_degrades_to_ram_and_source(
     assert len(entries) == m2.stats()["ssd_entries"]
     assert m.log.read_text().count("was deleted while mounted") == 1
     assert "Traceback" not in m.log.read_text()
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert text in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_bad_cache_paths_exit_2_before_mounting(tmp_path: Path) -> None:
+    require_fuse()
+    src = make_tree(tmp_path / "src", {"f": b"x"})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (tmp_path / "file").write_text("x")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    cases = [
+        ("/proc/x", "cache directory /proc/x"),
+        (str(tmp_path / "file"), "is not a directory"),
+        (str(mnt / "cache"), "inside the mount point"),
+        (str(src / ".cache"), "inside the source"),
+        (str(foreign), "belongs to uid 65534"),
+        (str(open_dir), "writable by others"),
+    ]
+    for ssd, text in cases:
+        res = run_cli("mount", str(src), str(mnt), "--ssd", ssd)
+        one_line_error(res, 2, text)
+        assert not os.path.ismount(mnt)
+    assert not (src / ".cache").exists()
+    res = run_cli("mount", str(src), str(mnt), "-o", "source_timeout=0")
+    one_line_error(res, 2, "must be above 0")
+    for value in ("0", "-1"):
+        res = run_cli("mount", str(src), str(mnt), f"--source-timeout={value}")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "--source-timeout" in res.stderr.strip().splitlines()[-1]
+    assert not os.path.ismount(mnt)
+
+
+def test_a_forged_entry_in_a_cache_others_can_write_is_never_served(
+    tmp_path: Path, mounter
+) -> None:
+    src = make_tree(tmp_path / "src", {"f": b"genuine" * 100})
+    cache = tmp_path / "cache"
+    m = mounter(src, "--ssd", f"{cache}:16M")
+    assert (m.mnt / "f").read_bytes() == b"genuine" * 100
+    wait_for("SSD writes", lambda: m.stats()["tiers"]["ssd"]["writes"] == 1)
+    m.unmount()
+    # Another user could now write entries: the daemon refuses the directory.
+    (cache / "data").chmod(0o777)
+    res = run_cli("mount", str(src), str(m.mnt), "--ssd", f"{cache}:16M", "--log", str(m.log))
+    one_line_error(res, 2, "writable by others")
+    assert not os.path.ismount(m.mnt)
+
+
+# --- a stopped daemon -----------------------------------------------------------------------
+
+
+def test_tools_time_out_on_a_stopped_daemon_and_umount_z_detaches(tmp_path: Path, mounter) -> None:
+    src = make_tree(tmp_path / "src", {"f": b"x"})
+    m = mounter(src)
+    pid = m.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = run_cli("stat", str(m.mnt), "--timeout", "1")
+        one_line_error(res, 7, "does not answer within 1 s")
+        res = run_cli("ctl", str(m.mnt), "drop", "--timeout", "1")
+        one_line_error(res, 7, "does not answer")
+        res = run_cli("umount", str(m.mnt), "--timeout", "1")
+        one_line_error(res, 7, "umount -z")
+        res = run_cli("umount", "-z", str(m.mnt), "--timeout", "1")
+        assert res.returncode == 0, res.stderr
+        assert "detached" in res.stderr
+        with open("/proc/self/mountinfo") as f:
+            assert f" {m.mnt} " not in f.read()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Running again, the daemon finds its mount gone and exits.
+    wait_for("the daemon to exit", lambda: not Path(f"/proc/{pid}").exists())
+
+
+def test_stat_into_a_closed_pipe_is_quiet(tmp_path: Path, mounter) -> None:
+    src = make_tree(tmp_path / "src", {"f": b"x"})
+    m = mounter(src)
+    for args in (["stat", str(m.mnt), "--json"], ["stat", str(m.mnt)]):
+        proc = subprocess.Popen(shadefs_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # `| true`: the reader is gone before the first write
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) in (0, 128 + signal.SIGPIPE)
+        assert err == "", err

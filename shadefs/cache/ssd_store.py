@@ -58,13 +58,14 @@ from shadefs.cache.ssd_format import (
     write_all,
 )
 from shadefs.cache.ssd_ledger import Ledger
+from shadefs.cache.ssd_owner import check_owner
 
 log = logging.getLogger(__name__)
 
 # Entries are files the store wrote: a symlink in their place is refused, never followed.
 _READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 
-__all__ = ["CacheLocked", "CacheUntrusted", "SsdStore", "check_owner"]
+__all__ = ["CacheLocked", "SsdStore"]
 
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.85
@@ -72,25 +73,6 @@ LOW_WATERMARK = 0.85
 
 class CacheLocked(Exception):
     """Another daemon holds the cache directory."""
-
-
-class CacheUntrusted(Exception):
-    """The cache directory belongs to another user or others may write it."""
-
-
-def check_owner(st: os.stat_result, what: str) -> None:
-    """CacheUntrusted unless `st` is a directory of this user that no one else may write."""
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheUntrusted(f"{what} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise CacheUntrusted(
-            f"{what} belongs to uid {st.st_uid}, not to the daemon's user ({os.geteuid()})"
-        )
-    if st.st_mode & 0o022:
-        raise CacheUntrusted(
-            f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
-            "use chmod go-w, or another directory"
-        )
 
 
 class SsdStore:
