@@ -17,14 +17,24 @@ however fast it grows while it is read (see `read_file`).
 
 The outage state is tracked here so that a dead server is logged once per outage, not once
 per request.
+
+Descriptors held open for readers (pass-through and block handles) are counted per user:
+with `--allow-other`, another user holding thousands of opens would otherwise fill the
+daemon's descriptor table, and every user's reads would fail with EMFILE. A user other than
+the mount's owner (and root) may hold at most `FdBudget.per_user` source descriptors, and
+all of them together at most half of the budget; past that their opens fail with EMFILE,
+logged once per user, and the owner keeps working. The opener is the `OPENER` context
+variable, which the FUSE open handler sets for the duration of the request.
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import inspect
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -46,12 +56,81 @@ _ANSWERS = (errno.ENOENT, errno.ENOTDIR, errno.ENODATA, errno.ELOOP)
 # never enough to follow a file that grows without end.
 _MARGIN = 64 << 10
 
+#: The uid of the process whose open request is being served (None: the daemon's own work).
+OPENER: contextvars.ContextVar[int | None] = contextvars.ContextVar("opener", default=None)
+
 # trio renamed `cancellable` to `abandon_on_cancel` in 0.23.
 _ABANDON: dict[str, Any] = {
     "abandon_on_cancel"
     if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
     else "cancellable": True
 }
+
+
+class FdBudget:
+    """Source descriptors held for readers, per user, against the daemon's own limit.
+
+    :per_user: the most one user other than the owner may hold
+    :others: the most all users other than the owner may hold together
+    """
+
+    def __init__(self, budget: int, owner: int) -> None:
+        self.owner = owner
+        self.per_user = max(budget // 8, 8)
+        self.others = max(budget // 2, self.per_user)
+        self.held: dict[int, int] = {}  # uid -> descriptors held
+        self._uid_of: dict[int, int] = {}  # fd -> the uid it counts against
+        self._others_held = 0
+        self._warned: set[int] = set()
+
+    @staticmethod
+    def of_process(threads: int) -> int:
+        """What the source may hold: the descriptor limit less a reserve for the daemon's
+        own files (/dev/fuse, the SSD tier, sockets) and one per worker thread's fetch."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(soft - 128 - 2 * threads, 16)
+
+    def _capped(self, uid: int) -> bool:
+        return uid not in (self.owner, 0)
+
+    def check(self, uid: int | None) -> None:
+        """EMFILE if `uid` may not take another descriptor."""
+        if uid is None or not self._capped(uid):
+            return
+        mine = self.held.get(uid, 0)
+        if mine < self.per_user and self._others_held < self.others:
+            return
+        if uid not in self._warned:
+            self._warned.add(uid)
+            log.warning(
+                "user %d holds %d source descriptors (at most %d per user, %d for all users "
+                "but the owner): its further read-through opens fail with EMFILE",
+                uid,
+                mine,
+                self.per_user,
+                self.others,
+            )
+        raise pyfuse3.FUSEError(errno.EMFILE)
+
+    def took(self, fd: int, uid: int | None) -> None:
+        if uid is None:
+            return
+        self._uid_of[fd] = uid
+        self.held[uid] = self.held.get(uid, 0) + 1
+        if self._capped(uid):
+            self._others_held += 1
+
+    def gave_back(self, fd: int) -> None:
+        uid = self._uid_of.pop(fd, None)
+        if uid is None:
+            return
+        left = self.held[uid] - 1
+        if left:
+            self.held[uid] = left
+        else:
+            del self.held[uid]
+        if self._capped(uid):
+            self._others_held -= 1
 
 
 class Source:
@@ -61,6 +140,7 @@ class Source:
     :paths: the no-follow resolver, holding the root's descriptor
     :timeout: seconds before a source call is abandoned and answered with EIO
     :healthy: False between a timeout and the next successful call
+    :fds: the descriptors held for readers, per user
     """
 
     def __init__(
@@ -70,6 +150,7 @@ class Source:
         max_threads: int = 32,
         timeout: float = 30.0,
         use_openat2: bool | None = None,
+        fd_budget: int | None = None,
     ):
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
@@ -80,6 +161,8 @@ class Source:
         self.errors = 0
         self.bytes_read = 0
         self._outage_since = 0.0
+        budget = FdBudget.of_process(max_threads) if fd_budget is None else fd_budget
+        self.fds = FdBudget(budget, os.getuid())
 
     def root_stat(self) -> os.stat_result:
         """The root's stat, from its held descriptor (no worker thread: used at start)."""
@@ -175,8 +258,12 @@ class Source:
         return data, st
 
     async def open_fd(self, rel: bytes) -> int:
-        """A read descriptor for pass-through reads (regular files only)."""
+        """A read descriptor for pass-through reads (regular files only); EMFILE when the
+        opening user holds its share of descriptors already (`FdBudget`)."""
+        uid = OPENER.get()
+        self.fds.check(uid)
         fd, _ = await self.run(self.paths.open_regular, rel)
+        self.fds.took(fd, uid)
         return fd
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
@@ -186,6 +273,7 @@ class Source:
 
     async def close_fd(self, fd: int) -> None:
         # close() on NFS can block (it flushes), so it goes through a thread as well.
+        self.fds.gave_back(fd)
         try:
             await self.run(os.close, fd)
         except pyfuse3.FUSEError:

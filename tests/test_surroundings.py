@@ -8,6 +8,7 @@ Security section states what they show.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -164,3 +165,98 @@ def test_stat_into_a_closed_pipe_is_quiet(tmp_path: Path, mounter) -> None:
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=60) in (0, 128 + signal.SIGPIPE)
         assert err == "", err
+
+
+# --- descriptors ----------------------------------------------------------------------------
+
+
+class Holder:
+    """A forked process of user `uid` that opens `paths` and keeps what it got open until
+    `release()`. (A fork, not an exec: user nobody may not run the virtualenv's Python.)"""
+
+    def __init__(self, uid: int, paths: list[Path]) -> None:
+        results_r, results_w = os.pipe()
+        self._go_r, self._go_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: no pytest machinery, only system calls
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                fds, refused = [], 0
+                for p in paths:
+                    try:
+                        fds.append(os.open(p, os.O_RDONLY))
+                    except OSError as exc:
+                        if exc.errno != errno.EMFILE:
+                            raise
+                        refused += 1
+                os.write(results_w, f"{len(fds)} {refused}".encode())
+                os.close(results_w)
+                os.close(self._go_w)
+                os.read(self._go_r, 1)  # until the parent closes its end
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(results_w)
+        os.close(self._go_r)
+        with os.fdopen(results_r) as f:
+            held, refused = f.read().split()
+        self.held, self.refused = int(held), int(refused)
+
+    def release(self) -> None:
+        os.close(self._go_w)
+        os.waitpid(self.pid, 0)
+
+
+def test_another_user_cannot_exhaust_the_daemons_descriptors(tmp_path: Path) -> None:
+    require_fuse()
+    import resource
+    import tempfile
+
+    # Somewhere user nobody can reach (pytest's own directories are root's, mode 0700).
+    top = Path(tempfile.mkdtemp(prefix="shadefs-fds-"))
+    top.chmod(0o755)
+    tree = {f"f{i:03d}": bytes([i]) * 8192 for i in range(100)}
+    src = make_tree(top / "src", tree)
+    mnt = top / "mnt"
+    mnt.mkdir()
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+
+    # 8 KiB files above --max-entry are read through: each open holds a source descriptor.
+    # The soft and hard limits of 400 leave the source 400 - 128 - 2 * 32 = 208 of them,
+    # one user at most 208 // 8 = 26.
+    args = ["--max-entry", "4K", "--passthrough-above", "4K", "--allow-other"]
+    log = tmp_path / "daemon.log"
+    res = subprocess.run(
+        shadefs_cmd("mount", str(src), str(mnt), "--log", str(log), *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_limit,
+    )
+    assert res.returncode == 0, res.stderr
+    holder = None
+    try:
+        holder = Holder(65534, [mnt / name for name in tree])
+        assert (holder.held, holder.refused) == (26, 74)
+        # The owner keeps working while the other user holds its share.
+        owner = [os.open(mnt / name, os.O_RDONLY) for name in tree]
+        try:
+            for name, fd in zip(tree, owner, strict=True):
+                assert os.pread(fd, 8192, 0) == tree[name]
+        finally:
+            for fd in owner:
+                os.close(fd)
+        text = log.read_text()
+        assert "user 65534 holds 26 source descriptors" in text
+        assert text.count("user 65534 holds") == 1
+    finally:
+        if holder is not None:
+            holder.release()
+        res = run_cli("umount", str(mnt))
+        shutil.rmtree(top, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
