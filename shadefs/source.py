@@ -16,7 +16,10 @@ Fetches are bounded: a file is read up to the size that was looked up plus a sma
 however fast it grows while it is read (see `read_file`).
 
 The outage state is tracked here so that a dead server is logged once per outage, not once
-per request.
+per request. A source that is remounted on the same path (a FUSE or automounted source that
+was restarted) leaves the held root descriptor on the dead mount: a call that fails with
+an outage's errno (EIO, ENOTCONN, ECONNABORTED, ESTALE, ENODEV) looks at the path again, and when it
+resolves to another root (st_dev, st_ino) the root is reopened and the call retried once.
 
 Descriptors held open for readers (pass-through and block handles) are counted per user:
 with `--allow-other`, another user holding thousands of opens would otherwise fill the
@@ -35,6 +38,7 @@ import inspect
 import logging
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -52,6 +56,8 @@ T = TypeVar("T")
 # Errors that answer a question about a file rather than say the source is failing. ELOOP is
 # a symlink where the daemon expected a directory or a file: it is refused, not followed.
 _ANSWERS = (errno.ENOENT, errno.ENOTDIR, errno.ENODATA, errno.ELOOP)
+# What a dead mount under the held root descriptor answers.
+_OUTAGES = (errno.EIO, errno.ENOTCONN, errno.ECONNABORTED, errno.ESTALE, errno.ENODEV)
 # How far a fetch may read past the size it expects: enough to see that the file grew,
 # never enough to follow a file that grows without end.
 _MARGIN = 64 << 10
@@ -154,6 +160,10 @@ class Source:
     ):
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
+        self._use_openat2 = use_openat2
+        self._root_id = _identity(os.fstat(self.paths.root_fd))
+        self._reopen_lock = threading.Lock()
+        self.reopens = 0
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
         self.healthy = True
@@ -181,19 +191,17 @@ class Source:
         """Run fn(*args) in a worker thread; OSError -> FUSEError, timeout -> EIO."""
         with trio.move_on_after(self.timeout) as scope:
             try:
-                result = await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, **_ABANDON)
+                result = await trio.to_thread.run_sync(
+                    self._call, fn, args, limiter=self.limiter, **_ABANDON
+                )
             except OSError as exc:
                 # ENOENT and friends are answers, not outages.
                 self._mark_healthy()
                 if exc.errno not in _ANSWERS:
                     self.errors += 1
-                # A dead server (ENOTCONN from a crashed FUSE source, ESTALE from NFS) is an
-                # I/O error to the reader, not a property of the file.
-                code = (
-                    exc.errno
-                    if exc.errno not in (None, errno.ENOTCONN, errno.ESTALE)
-                    else errno.EIO
-                )
+                # A dead server (ENOTCONN or ECONNABORTED from a crashed FUSE source, ESTALE
+                # from NFS) is an I/O error to the reader, not a property of the file.
+                code = exc.errno if exc.errno not in (None, *_OUTAGES) else errno.EIO
                 raise pyfuse3.FUSEError(code) from None
         if scope.cancelled_caught:
             self.timeouts += 1
@@ -209,6 +217,41 @@ class Source:
             raise pyfuse3.FUSEError(errno.EIO)
         self._mark_healthy()
         return result
+
+    def _call(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        """fn(*args) in the worker thread, retried once on a reopened root (module doc)."""
+        old = self.paths
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if exc.errno not in _OUTAGES or not self._reopen(old):
+                raise
+        new = self.paths
+        # The call is rebuilt on the new root: a method of the old resolver, or the old
+        # resolver as an argument. Anything else (a descriptor of the dead mount) fails again.
+        if getattr(fn, "__self__", None) is old:
+            fn = getattr(new, fn.__name__)
+        return fn(*(new if a is old else a for a in args))
+
+    def _reopen(self, old: Resolver) -> bool:
+        """Whether the root was reopened since `old` (a new root at the same path)."""
+        with self._reopen_lock:
+            if self.paths is not old:
+                return True  # another thread got there first
+            try:
+                if _identity(os.stat(self.root)) == self._root_id:
+                    return False  # the same root: a real outage, or a real EIO
+                new = Resolver(self.root, use_openat2=self._use_openat2)
+            except OSError:
+                return False
+            # The old resolver is not closed here: calls in other threads may still use its
+            # descriptor, and a closed number could be reused for another directory. It is
+            # closed when the last of them lets it go.
+            self._root_id = _identity(os.fstat(new.root_fd))
+            self.paths = new
+            self.reopens += 1
+        log.warning("source %s was remounted: reopened its new root", os.fsdecode(self.root))
+        return True
 
     def _mark_healthy(self) -> None:
         if not self.healthy:
@@ -278,6 +321,10 @@ class Source:
             await self.run(os.close, fd)
         except pyfuse3.FUSEError:
             pass
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes, os.stat_result]:

@@ -260,3 +260,36 @@ def test_another_user_cannot_exhaust_the_daemons_descriptors(tmp_path: Path) -> 
         res = run_cli("umount", str(mnt))
         shutil.rmtree(top, ignore_errors=True)
     assert res.returncode == 0, res.stderr
+
+
+# --- a source remounted on its path ---------------------------------------------------------
+
+
+def test_a_source_remounted_on_its_path_is_reopened(tmp_path: Path, mounter) -> None:
+    from tests.test_ssd_mount import start_slowfs
+
+    require_fuse()
+    tree = files(20)
+    real = make_tree(tmp_path / "real", tree)
+    remote = tmp_path / "remote"
+    slow_pid = start_slowfs(real, remote)
+    try:
+        m = mounter(remote, "--source-timeout", "5", "--no-speculate", "--no-prefetch")
+        names = list(tree)
+        for rel in names[:5]:
+            assert (m.mnt / rel).read_bytes() == tree[rel]
+        os.kill(slow_pid, signal.SIGKILL)  # the source's server dies: ENOTCONN underneath
+        with pytest.raises(OSError) as e:
+            (m.mnt / names[10]).read_bytes()
+        assert e.value.errno == errno.EIO
+        # Restarted on the same path, as an automounter or a FUSE server's unit would.
+        subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=True)
+        remote.rmdir()
+        slow_pid = start_slowfs(real, remote)
+        for rel in names[5:]:
+            assert (m.mnt / rel).read_bytes() == tree[rel]
+        assert m.stats()["source_healthy"] is True
+        assert m.log.read_text().count("was remounted") == 1
+    finally:
+        os.kill(slow_pid, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
