@@ -293,3 +293,62 @@ def test_a_source_remounted_on_its_path_is_reopened(tmp_path: Path, mounter) -> 
     finally:
         os.kill(slow_pid, signal.SIGKILL)
         subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
+
+
+# --- forged channel headers -----------------------------------------------------------------
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_forged_channel_headers_are_refused_before_buffering(tmp_path: Path, mounter) -> None:
+    import struct
+
+    from shadefs.sampling import wire, wire_nodes
+
+    tree = files(3)
+    src = make_tree(tmp_path / "src", tree)
+    m = mounter(src)
+    ctl_dir = m.mnt / ".shadefs"
+    fd = os.open(ctl_dir / "dataset", os.O_WRONLY)
+    try:
+        os.write(fd, wire.encode_dataset(list(tree)))
+    finally:
+        os.close(fd)
+    pid = m.stats()["pid"]
+    # 4096 nodes' bitmaps of 2**27 samples: a 64 GiB message, for a dataset of 3 samples.
+    head = struct.pack(
+        "<4sHHQQIIIIQQ", b"SHDI", wire.VERSION, 0, 0, 0, 4096, 4096, 0, 0, 1 << 27, 0
+    )
+    forged = [
+        ("order", head),
+        ("order", wire.encode_order_response(0, [0, 1])),  # a response is not a request
+        ("losses", struct.pack("<4sHHII", b"SHDL", wire.VERSION, 0, 1, 1 << 30)),
+        ("dataset", struct.pack("<4sHHQQ", b"SHDS", wire.VERSION, 0, 1, 1 << 30)),
+    ]
+    before = _rss(pid)
+    chunk = bytes(1 << 20)
+    for name, msg in forged:
+        fd = os.open(ctl_dir / name, os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as e:
+                os.write(fd, msg)
+            assert e.value.errno == errno.EINVAL, name
+            for _ in range(24):  # what follows a refused header is never buffered
+                with pytest.raises(OSError) as e:
+                    os.write(fd, chunk)
+                assert e.value.errno == errno.EINVAL
+        finally:
+            os.close(fd)
+    assert _rss(pid) - before < 48 << 20  # 96 MiB were sent
+    assert "node order for 134217728 samples, but 3 are registered" in m.log.read_text()
+    # A real node order of the registered dataset still goes through.
+    bits = wire_nodes.encode_resident([True, True, True])[16:]
+    msg = wire_nodes.encode_node_order(0, 0, 0, [7], [0], [bits], 3)
+    assert wire_nodes.message_length(msg, 3) == len(msg)
+    with pytest.raises(wire.WireError, match="limit"):
+        wire_nodes.message_length(head, 1 << 27)
