@@ -352,3 +352,83 @@ def test_forged_channel_headers_are_refused_before_buffering(tmp_path: Path, mou
     assert wire_nodes.message_length(msg, 3) == len(msg)
     with pytest.raises(wire.WireError, match="limit"):
         wire_nodes.message_length(head, 1 << 27)
+
+
+# --- the same, without a mount --------------------------------------------------------------
+
+
+def test_a_store_whose_directory_is_deleted_refuses_quietly(tmp_path: Path) -> None:
+    from shadefs.cache.ssd_format import Signature
+    from shadefs.cache.ssd_store import SsdStore
+
+    sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)
+    with SsdStore(tmp_path / "c", 1 << 30, min_free=0) as store:
+        assert store.put(b"a", b"hello", sig) and store.get(b"a", sig) == b"hello"
+        assert not store.lost()
+        shutil.rmtree(tmp_path / "c")
+        assert store.lost()
+        assert store.disk_free() > 0  # from the held descriptor
+        assert store.get(b"a", sig) is None
+        assert not store.put(b"b", b"hello", sig)
+        with pytest.raises(FileNotFoundError):  # the tier's restore logs it and ends
+            list(store.scan())
+        assert store.remove(b"a") == 0
+        # A new directory at the path is another daemon's: this store never writes there.
+        (tmp_path / "c").mkdir(mode=0o700)
+        assert not store.put(b"c", b"hello", sig)
+        assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_fd_budget_caps_other_users_and_never_the_owner() -> None:
+    import pyfuse3
+
+    from shadefs.source import FdBudget
+
+    fds = FdBudget(80, owner=1000)
+    assert (fds.per_user, fds.others) == (10, 40)
+    for fd in range(10):
+        fds.check(2000)
+        fds.took(fd, 2000)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        fds.check(2000)
+    assert e.value.errno == errno.EMFILE
+    for fd in range(10, 40):  # three more users fill the others' half
+        fds.check(2001 + fd // 10)
+        fds.took(fd, 2001 + fd // 10)
+    with pytest.raises(pyfuse3.FUSEError):
+        fds.check(3000)  # a fresh user: the others' half is full
+    for uid in (1000, 0, None):
+        fds.check(uid)  # the owner, root and the daemon itself are never refused
+    fds.gave_back(0)
+    fds.check(2000)  # room again
+    assert fds.held[2000] == 9
+
+
+async def test_a_tier_whose_directory_is_deleted_restores_and_evicts_without_dying(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    import trio
+
+    from shadefs.cache.policies.lru import LruPolicy
+    from shadefs.cache.ssd_format import Signature
+    from shadefs.cache.ssd_store import SsdStore
+    from shadefs.cache.ssd_tier import SsdTier
+
+    sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)
+    with SsdStore(tmp_path / "c", 1 << 20, min_free=0) as store:
+        assert store.put(b"a", b"hello", sig)
+    with SsdStore(tmp_path / "c", 1 << 20, min_free=0) as store:
+        tier = SsdTier(store, LruPolicy(), lambda ino: ino)
+        assert await tier.lookup(7, b"a", sig) == b"hello"
+        shutil.rmtree(tmp_path / "c")
+        await tier.restore()  # the walk fails: logged, not raised
+        assert tier.restore_done
+        assert tier.describe().disk_free > 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.evictor, 5.0)
+            await trio.sleep(6)  # one evictor pass (the clock jumps)
+            nursery.cancel_scope.cancel()
+        assert tier.lost
+        assert tier.index == {} and await tier.lookup(7, b"a", sig) is None
+        tier.offer(8, b"b", b"hello", sig)
+        assert tier.queued == 0
