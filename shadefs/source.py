@@ -18,8 +18,9 @@ however fast it grows while it is read (see `read_file`).
 The outage state is tracked here so that a dead server is logged once per outage, not once
 per request. A source that is remounted on the same path (a FUSE or automounted source that
 was restarted) leaves the held root descriptor on the dead mount: a call that fails with
-an outage's errno (EIO, ENOTCONN, ECONNABORTED, ESTALE, ENODEV) looks at the path again, and when it
-resolves to another root (st_dev, st_ino) the root is reopened and the call retried once.
+an outage's errno (EIO, ENOTCONN, ECONNABORTED, ESTALE, ENODEV) looks at the path again, and
+when it resolves to another root (st_dev, st_ino) the root is reopened and the call is
+retried once.
 
 Descriptors held open for readers (pass-through and block handles) are counted per user:
 with `--allow-other`, another user holding thousands of opens would otherwise fill the
@@ -99,44 +100,49 @@ class FdBudget:
     def _capped(self, uid: int) -> bool:
         return uid not in (self.owner, 0)
 
-    def check(self, uid: int | None) -> None:
-        """EMFILE if `uid` may not take another descriptor."""
-        if uid is None or not self._capped(uid):
+    def take(self, uid: int | None) -> None:
+        """Count one more descriptor for `uid` (before it is opened, so that concurrent
+        opens cannot overshoot); EMFILE if `uid` may not have another."""
+        if uid is None:
             return
         mine = self.held.get(uid, 0)
-        if mine < self.per_user and self._others_held < self.others:
-            return
-        if uid not in self._warned:
-            self._warned.add(uid)
-            log.warning(
-                "user %d holds %d source descriptors (at most %d per user, %d for all users "
-                "but the owner): its further read-through opens fail with EMFILE",
-                uid,
-                mine,
-                self.per_user,
-                self.others,
-            )
-        raise pyfuse3.FUSEError(errno.EMFILE)
+        if self._capped(uid) and (mine >= self.per_user or self._others_held >= self.others):
+            if uid not in self._warned:
+                self._warned.add(uid)
+                log.warning(
+                    "user %d holds %d source descriptors (at most %d per user, %d for all "
+                    "users but the owner): its further read-through opens fail with EMFILE",
+                    uid,
+                    mine,
+                    self.per_user,
+                    self.others,
+                )
+            raise pyfuse3.FUSEError(errno.EMFILE)
+        self._add(uid, 1)
 
-    def took(self, fd: int, uid: int | None) -> None:
-        if uid is None:
-            return
-        self._uid_of[fd] = uid
-        self.held[uid] = self.held.get(uid, 0) + 1
-        if self._capped(uid):
-            self._others_held += 1
+    def opened(self, fd: int, uid: int | None) -> None:
+        """The descriptor `take` counted for `uid` is `fd`."""
+        if uid is not None:
+            self._uid_of[fd] = uid
 
-    def gave_back(self, fd: int) -> None:
+    def give_back(self, uid: int | None) -> None:
+        """Uncount a descriptor `take` counted but that was never opened."""
+        if uid is not None:
+            self._add(uid, -1)
+
+    def closing(self, fd: int) -> None:
         uid = self._uid_of.pop(fd, None)
-        if uid is None:
-            return
-        left = self.held[uid] - 1
+        if uid is not None:
+            self._add(uid, -1)
+
+    def _add(self, uid: int, n: int) -> None:
+        left = self.held.get(uid, 0) + n
         if left:
             self.held[uid] = left
         else:
             del self.held[uid]
         if self._capped(uid):
-            self._others_held -= 1
+            self._others_held += n
 
 
 class Source:
@@ -304,9 +310,13 @@ class Source:
         """A read descriptor for pass-through reads (regular files only); EMFILE when the
         opening user holds its share of descriptors already (`FdBudget`)."""
         uid = OPENER.get()
-        self.fds.check(uid)
-        fd, _ = await self.run(self.paths.open_regular, rel)
-        self.fds.took(fd, uid)
+        self.fds.take(uid)
+        try:
+            fd, _ = await self.run(self.paths.open_regular, rel)
+        except BaseException:
+            self.fds.give_back(uid)
+            raise
+        self.fds.opened(fd, uid)
         return fd
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
@@ -316,7 +326,7 @@ class Source:
 
     async def close_fd(self, fd: int) -> None:
         # close() on NFS can block (it flushes), so it goes through a thread as well.
-        self.fds.gave_back(fd)
+        self.fds.closing(fd)
         try:
             await self.run(os.close, fd)
         except pyfuse3.FUSEError:

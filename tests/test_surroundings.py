@@ -63,9 +63,10 @@ def test_cache_dir_deleted_while_mounted_degrades_to_ram_and_source(
     m2 = mounter(src, "--ram", "64K", "--ssd", f"{cache}:64M", name="mnt2")
     for rel, data in tree.items():
         assert (m2.mnt / rel).read_bytes() == data
-    wait_for("SSD writes", lambda: m2.stats()["tiers"]["ssd"]["writes"] >= 10)
     for rel, data in tree.items():
         assert (m.mnt / rel).read_bytes() == data
+    wait_for("SSD writes", lambda: m2.stats()["tiers"]["ssd"]["queued_writes"] == 0)
+    assert m2.stats()["tiers"]["ssd"]["writes"] >= 10
     entries = [p for p in (cache / "data").rglob("*") if p.is_file()]
     assert len(entries) == m2.stats()["ssd_entries"]
     assert m.log.read_text().count("was deleted while mounted") == 1
@@ -226,10 +227,11 @@ def test_another_user_cannot_exhaust_the_daemons_descriptors(tmp_path: Path) -> 
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
 
-    # 8 KiB files above --max-entry are read through: each open holds a source descriptor.
+    # 8 KiB files above --max-entry are read through: each open holds a source descriptor
+    # (none staged ahead in memory: no prefetch, no speculation).
     # The soft and hard limits of 400 leave the source 400 - 128 - 2 * 32 = 208 of them,
     # one user at most 208 // 8 = 26.
-    args = ["--max-entry", "4K", "--passthrough-above", "4K", "--allow-other"]
+    args = ["--max-entry", "4K", "--passthrough-above", "4K", "--allow-other", "--no-prefetch"]
     log = tmp_path / "daemon.log"
     res = subprocess.run(
         shadefs_cmd("mount", str(src), str(mnt), "--log", str(log), *args),
@@ -387,21 +389,24 @@ def test_fd_budget_caps_other_users_and_never_the_owner() -> None:
     fds = FdBudget(80, owner=1000)
     assert (fds.per_user, fds.others) == (10, 40)
     for fd in range(10):
-        fds.check(2000)
-        fds.took(fd, 2000)
+        fds.take(2000)
+        fds.opened(fd, 2000)
     with pytest.raises(pyfuse3.FUSEError) as e:
-        fds.check(2000)
+        fds.take(2000)
     assert e.value.errno == errno.EMFILE
     for fd in range(10, 40):  # three more users fill the others' half
-        fds.check(2001 + fd // 10)
-        fds.took(fd, 2001 + fd // 10)
+        fds.take(2001 + fd // 10)
+        fds.opened(fd, 2001 + fd // 10)
     with pytest.raises(pyfuse3.FUSEError):
-        fds.check(3000)  # a fresh user: the others' half is full
-    for uid in (1000, 0, None):
-        fds.check(uid)  # the owner, root and the daemon itself are never refused
-    fds.gave_back(0)
-    fds.check(2000)  # room again
-    assert fds.held[2000] == 9
+        fds.take(3000)  # a fresh user: the others' half is full
+    for uid in (1000, 0):
+        fds.take(uid)  # the owner and root are never refused
+        fds.give_back(uid)
+    fds.take(None)  # nor the daemon's own work
+    fds.closing(0)
+    fds.take(2000)  # room again
+    fds.give_back(2000)  # an open that failed
+    assert fds.held[2000] == 9 and 1000 not in fds.held
 
 
 async def test_a_tier_whose_directory_is_deleted_restores_and_evicts_without_dying(
