@@ -20,7 +20,8 @@ per request. A source that is remounted on the same path (a FUSE or automounted 
 was restarted) leaves the held root descriptor on the dead mount: a call that fails with
 an outage's errno (EIO, ENOTCONN, ECONNABORTED, ESTALE, ENODEV) looks at the path again, and
 when it resolves to another root (st_dev, st_ino) the root is reopened and the call is
-retried once.
+retried once. A root that was a mount point must be one again: until the new source is
+mounted, the path shows the empty directory under it, which is not the source.
 
 Descriptors held open for readers (pass-through and block handles) are counted per user:
 with `--allow-other`, another user holding thousands of opens would otherwise fill the
@@ -168,6 +169,7 @@ class Source:
         self.paths = Resolver(self.root, use_openat2=use_openat2)
         self._use_openat2 = use_openat2
         self._root_id = _identity(os.fstat(self.paths.root_fd))
+        self._mount_point = _is_mount_point(self.root)
         self._reopen_lock = threading.Lock()
         self.reopens = 0
         self.timeout = timeout
@@ -247,6 +249,8 @@ class Source:
             try:
                 if _identity(os.stat(self.root)) == self._root_id:
                     return False  # the same root: a real outage, or a real EIO
+                if _is_mount_point(self.root) != self._mount_point:
+                    return False  # not mounted again yet: the directory under the mount
                 new = Resolver(self.root, use_openat2=self._use_openat2)
             except OSError:
                 return False
@@ -335,6 +339,13 @@ class Source:
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
+
+
+def _is_mount_point(path: bytes) -> bool:
+    """Whether `path` is the root of a mounted filesystem (another device than its parent)."""
+    st = os.stat(path)
+    parent = os.stat(os.path.join(path, b".."))
+    return st.st_dev != parent.st_dev or st.st_ino == parent.st_ino
 
 
 def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes, os.stat_result]:

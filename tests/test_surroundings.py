@@ -284,8 +284,12 @@ def test_a_source_remounted_on_its_path_is_reopened(tmp_path: Path, mounter) -> 
         with pytest.raises(OSError) as e:
             (m.mnt / names[10]).read_bytes()
         assert e.value.errno == errno.EIO
-        # Restarted on the same path, as an automounter or a FUSE server's unit would.
         subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=True)
+        # Not mounted yet: the path is the empty directory under the mount, not the source.
+        with pytest.raises(OSError) as e:
+            (m.mnt / names[11]).read_bytes()
+        assert e.value.errno == errno.EIO
+        # Restarted on the same path, as an automounter or a FUSE server's unit would.
         remote.rmdir()
         slow_pid = start_slowfs(real, remote)
         for rel in names[5:]:

@@ -142,8 +142,11 @@ class SsdTier:
             return
         self.hits += 1
         if not known:
-            # Found before the restore reached it: index it now.
+            # Found before the restore reached it: index it now. It is an entry of an earlier
+            # run all the same, so it counts as restored (the walk will skip it).
             self._index(key, relpath, sig.size, restored=True)
+            if not self.restore_done:
+                self.restore_entries += 1
         self.policy.accessed(key, True, job)
 
     def _index(self, key: int, relpath: bytes, size: int, *, restored: bool = False) -> None:
