@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -68,6 +69,7 @@ def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
     The caller has checked the environment (shadefs.cli.checks.check_environment).
     """
     setup_logging(opts)
+    raise_nofile()
     try:
         return Daemon(opts, ready_fd).run()
     except QuietError as exc:
@@ -77,6 +79,17 @@ def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
         log.exception("the daemon failed")
         _report(ready_fd, "the daemon failed unexpectedly (see its log)")
         raise
+
+
+def raise_nofile() -> None:
+    """Raise the soft descriptor limit to the hard one: readers' pass-through opens each
+    hold a source descriptor, and 1,024 is soon reached (source.py caps them per user)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.info("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
 
 
 def _report(ready_fd: int | None, msg: str) -> None:

@@ -86,6 +86,13 @@ def positive_int(text: str) -> int:
     return parse_int(text, minimum=1)
 
 
+def positive_float(text: str) -> float:
+    value = parse_float(text)
+    if value <= 0:
+        raise ValueError(f"must be above 0, got {text.strip()}")
+    return value
+
+
 def any_text(text: str) -> str:
     return text
 
@@ -149,7 +156,7 @@ HANDLE_LIMIT = Option[int | None](
     "of uncached files are read through",
 )
 SOURCE_TIMEOUT = Option(
-    name="source_timeout", default=30.0, parse=parse_float, metavar="S",
+    name="source_timeout", default=30.0, parse=positive_float, metavar="S",
     help="seconds before a source call fails with EIO", shown="30",
     meaning="a source call that takes longer fails with EIO, so a hung NFS server cannot "
     "hang training",

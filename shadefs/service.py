@@ -31,6 +31,7 @@ from shadefs.cache.coordinator import Cache
 from shadefs.cache.policies import POLICIES, Owned
 from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
 from shadefs.cache.speculate import Speculator
+from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
@@ -115,11 +116,13 @@ class Service:
     @staticmethod
     def _ssd_store(opts: MountOptions) -> SsdStore:
         assert opts.ssd is not None
-        budget, floor = ssd_defaults(opts.ssd, opts.ssd_size, opts.ssd_min_free)
         try:
+            budget, floor = ssd_defaults(opts.ssd, opts.ssd_size, opts.ssd_min_free)
             return SsdStore(Path(opts.ssd), budget, min_free=floor)
         except CacheLocked as exc:
             raise QuietError(str(exc), EXIT_CACHE_LOCKED) from None
+        except CacheUntrusted as exc:
+            raise QuietError(str(exc), EXIT_USAGE) from None
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
 
@@ -373,6 +376,8 @@ def ssd_defaults(path: str, size: int | None, min_free: int | None) -> tuple[int
     shrink on every remount by what the cache itself already occupies.
     """
     os.makedirs(path, mode=0o700, exist_ok=True)
+    # Nothing is written into a directory that someone else could have prepared.
+    check_owner(os.stat(path), f"cache directory {path}")
     sv = os.statvfs(path)
     total, free = sv.f_blocks * sv.f_frsize, sv.f_bavail * sv.f_frsize
     floor = min(total // 20, 1 << 30) if min_free is None else min_free

@@ -16,15 +16,31 @@ Fetches are bounded: a file is read up to the size that was looked up plus a sma
 however fast it grows while it is read (see `read_file`).
 
 The outage state is tracked here so that a dead server is logged once per outage, not once
-per request.
+per request. A source that is remounted on the same path (a FUSE or automounted source that
+was restarted) leaves the held root descriptor on the dead mount: a call that fails with
+an outage's errno (EIO, ENOTCONN, ECONNABORTED, ESTALE, ENODEV) looks at the path again, and
+when it resolves to another root (st_dev, st_ino) the root is reopened and the call is
+retried once. A root that was a mount point must be one again: until the new source is
+mounted, the path shows the empty directory under it, which is not the source.
+
+Descriptors held open for readers (pass-through and block handles) are counted per user:
+with `--allow-other`, another user holding thousands of opens would otherwise fill the
+daemon's descriptor table, and every user's reads would fail with EMFILE. A user other than
+the mount's owner (and root) may hold at most `FdBudget.per_user` source descriptors, and
+all of them together at most half of the budget; past that their opens fail with EMFILE,
+logged once per user, and the owner keeps working. The opener is the `OPENER` context
+variable, which the FUSE open handler sets for the duration of the request.
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import inspect
 import logging
 import os
+import resource
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,9 +58,14 @@ T = TypeVar("T")
 # Errors that answer a question about a file rather than say the source is failing. ELOOP is
 # a symlink where the daemon expected a directory or a file: it is refused, not followed.
 _ANSWERS = (errno.ENOENT, errno.ENOTDIR, errno.ENODATA, errno.ELOOP)
+# What a dead mount under the held root descriptor answers.
+_OUTAGES = (errno.EIO, errno.ENOTCONN, errno.ECONNABORTED, errno.ESTALE, errno.ENODEV)
 # How far a fetch may read past the size it expects: enough to see that the file grew,
 # never enough to follow a file that grows without end.
 _MARGIN = 64 << 10
+
+#: The uid of the process whose open request is being served (None: the daemon's own work).
+OPENER: contextvars.ContextVar[int | None] = contextvars.ContextVar("opener", default=None)
 
 # trio renamed `cancellable` to `abandon_on_cancel` in 0.23.
 _ABANDON: dict[str, Any] = {
@@ -54,6 +75,77 @@ _ABANDON: dict[str, Any] = {
 }
 
 
+class FdBudget:
+    """Source descriptors held for readers, per user, against the daemon's own limit.
+
+    :per_user: the most one user other than the owner may hold
+    :others: the most all users other than the owner may hold together
+    """
+
+    def __init__(self, budget: int, owner: int) -> None:
+        self.owner = owner
+        self.per_user = max(budget // 8, 8)
+        self.others = max(budget // 2, self.per_user)
+        self.held: dict[int, int] = {}  # uid -> descriptors held
+        self._uid_of: dict[int, int] = {}  # fd -> the uid it counts against
+        self._others_held = 0
+        self._warned: set[int] = set()
+
+    @staticmethod
+    def of_process(threads: int) -> int:
+        """What the source may hold: the descriptor limit less a reserve for the daemon's
+        own files (/dev/fuse, the SSD tier, sockets) and one per worker thread's fetch."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(soft - 128 - 2 * threads, 16)
+
+    def _capped(self, uid: int) -> bool:
+        return uid not in (self.owner, 0)
+
+    def take(self, uid: int | None) -> None:
+        """Count one more descriptor for `uid` (before it is opened, so that concurrent
+        opens cannot overshoot); EMFILE if `uid` may not have another."""
+        if uid is None:
+            return
+        mine = self.held.get(uid, 0)
+        if self._capped(uid) and (mine >= self.per_user or self._others_held >= self.others):
+            if uid not in self._warned:
+                self._warned.add(uid)
+                log.warning(
+                    "user %d holds %d source descriptors (at most %d per user, %d for all "
+                    "users but the owner): its further read-through opens fail with EMFILE",
+                    uid,
+                    mine,
+                    self.per_user,
+                    self.others,
+                )
+            raise pyfuse3.FUSEError(errno.EMFILE)
+        self._add(uid, 1)
+
+    def opened(self, fd: int, uid: int | None) -> None:
+        """The descriptor `take` counted for `uid` is `fd`."""
+        if uid is not None:
+            self._uid_of[fd] = uid
+
+    def give_back(self, uid: int | None) -> None:
+        """Uncount a descriptor `take` counted but that was never opened."""
+        if uid is not None:
+            self._add(uid, -1)
+
+    def closing(self, fd: int) -> None:
+        uid = self._uid_of.pop(fd, None)
+        if uid is not None:
+            self._add(uid, -1)
+
+    def _add(self, uid: int, n: int) -> None:
+        left = self.held.get(uid, 0) + n
+        if left:
+            self.held[uid] = left
+        else:
+            del self.held[uid]
+        if self._capped(uid):
+            self._others_held += n
+
+
 class Source:
     """The backing tree, seen through bounded, timed-out worker threads.
 
@@ -61,6 +153,7 @@ class Source:
     :paths: the no-follow resolver, holding the root's descriptor
     :timeout: seconds before a source call is abandoned and answered with EIO
     :healthy: False between a timeout and the next successful call
+    :fds: the descriptors held for readers, per user
     """
 
     def __init__(
@@ -70,9 +163,15 @@ class Source:
         max_threads: int = 32,
         timeout: float = 30.0,
         use_openat2: bool | None = None,
+        fd_budget: int | None = None,
     ):
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
+        self._use_openat2 = use_openat2
+        self._root_id = _identity(os.fstat(self.paths.root_fd))
+        self._mount_point = _is_mount_point(self.root)
+        self._reopen_lock = threading.Lock()
+        self.reopens = 0
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
         self.healthy = True
@@ -80,6 +179,8 @@ class Source:
         self.errors = 0
         self.bytes_read = 0
         self._outage_since = 0.0
+        budget = FdBudget.of_process(max_threads) if fd_budget is None else fd_budget
+        self.fds = FdBudget(budget, os.getuid())
 
     def root_stat(self) -> os.stat_result:
         """The root's stat, from its held descriptor (no worker thread: used at start)."""
@@ -98,19 +199,17 @@ class Source:
         """Run fn(*args) in a worker thread; OSError -> FUSEError, timeout -> EIO."""
         with trio.move_on_after(self.timeout) as scope:
             try:
-                result = await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, **_ABANDON)
+                result = await trio.to_thread.run_sync(
+                    self._call, fn, args, limiter=self.limiter, **_ABANDON
+                )
             except OSError as exc:
                 # ENOENT and friends are answers, not outages.
                 self._mark_healthy()
                 if exc.errno not in _ANSWERS:
                     self.errors += 1
-                # A dead server (ENOTCONN from a crashed FUSE source, ESTALE from NFS) is an
-                # I/O error to the reader, not a property of the file.
-                code = (
-                    exc.errno
-                    if exc.errno not in (None, errno.ENOTCONN, errno.ESTALE)
-                    else errno.EIO
-                )
+                # A dead server (ENOTCONN or ECONNABORTED from a crashed FUSE source, ESTALE
+                # from NFS) is an I/O error to the reader, not a property of the file.
+                code = exc.errno if exc.errno not in (None, *_OUTAGES) else errno.EIO
                 raise pyfuse3.FUSEError(code) from None
         if scope.cancelled_caught:
             self.timeouts += 1
@@ -126,6 +225,43 @@ class Source:
             raise pyfuse3.FUSEError(errno.EIO)
         self._mark_healthy()
         return result
+
+    def _call(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        """fn(*args) in the worker thread, retried once on a reopened root (module doc)."""
+        old = self.paths
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if exc.errno not in _OUTAGES or not self._reopen(old):
+                raise
+        new = self.paths
+        # The call is rebuilt on the new root: a method of the old resolver, or the old
+        # resolver as an argument. Anything else (a descriptor of the dead mount) fails again.
+        if getattr(fn, "__self__", None) is old:
+            fn = getattr(new, fn.__name__)
+        return fn(*(new if a is old else a for a in args))
+
+    def _reopen(self, old: Resolver) -> bool:
+        """Whether the root was reopened since `old` (a new root at the same path)."""
+        with self._reopen_lock:
+            if self.paths is not old:
+                return True  # another thread got there first
+            try:
+                if _identity(os.stat(self.root)) == self._root_id:
+                    return False  # the same root: a real outage, or a real EIO
+                if _is_mount_point(self.root) != self._mount_point:
+                    return False  # not mounted again yet: the directory under the mount
+                new = Resolver(self.root, use_openat2=self._use_openat2)
+            except OSError:
+                return False
+            # The old resolver is not closed here: calls in other threads may still use its
+            # descriptor, and a closed number could be reused for another directory. It is
+            # closed when the last of them lets it go.
+            self._root_id = _identity(os.fstat(new.root_fd))
+            self.paths = new
+            self.reopens += 1
+        log.warning("source %s was remounted: reopened its new root", os.fsdecode(self.root))
+        return True
 
     def _mark_healthy(self) -> None:
         if not self.healthy:
@@ -175,8 +311,16 @@ class Source:
         return data, st
 
     async def open_fd(self, rel: bytes) -> int:
-        """A read descriptor for pass-through reads (regular files only)."""
-        fd, _ = await self.run(self.paths.open_regular, rel)
+        """A read descriptor for pass-through reads (regular files only); EMFILE when the
+        opening user holds its share of descriptors already (`FdBudget`)."""
+        uid = OPENER.get()
+        self.fds.take(uid)
+        try:
+            fd, _ = await self.run(self.paths.open_regular, rel)
+        except BaseException:
+            self.fds.give_back(uid)
+            raise
+        self.fds.opened(fd, uid)
         return fd
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
@@ -186,10 +330,22 @@ class Source:
 
     async def close_fd(self, fd: int) -> None:
         # close() on NFS can block (it flushes), so it goes through a thread as well.
+        self.fds.closing(fd)
         try:
             await self.run(os.close, fd)
         except pyfuse3.FUSEError:
             pass
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _is_mount_point(path: bytes) -> bool:
+    """Whether `path` is the root of a mounted filesystem (another device than its parent)."""
+    st = os.stat(path)
+    parent = os.stat(os.path.join(path, b".."))
+    return st.st_dev != parent.st_dev or st.st_ino == parent.st_ino
 
 
 def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes, os.stat_result]:

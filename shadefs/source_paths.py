@@ -82,11 +82,13 @@ _syscall = _load_syscall()
 class Resolver:
     """Opens and inspects paths relative to the source root, never following a symlink.
 
+    :root: the path the root was opened by
     :root_fd: the source root, opened once (following the operator's own path to it)
     :kind: "openat2" or "walk", the resolver in use
     """
 
     def __init__(self, root: bytes, *, use_openat2: bool | None = None) -> None:
+        self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.root_fd)
         # One open_how per flag set, built on first use and kept alive with its address.

@@ -313,3 +313,41 @@ def test_check_on_a_real_mount(src: Path, mounter, capsys, monkeypatch: pytest.M
     (src / "c" / "7.bin").unlink()
     assert main(str(m.mnt), "c/7.bin", "c/6.bin", "--check") == warmup.EXIT_UNREADABLE
     assert capsys.readouterr().out.startswith("2 files, 600 B: ram 0 (0.0%), ssd 0 (0.0%), ")
+
+
+def test_a_named_symlink_is_followed_only_inside_the_mount(src: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not for warmup")
+    (src / "out").symlink_to(secret)
+    (src / "outdir").symlink_to(tmp_path)
+    (src / "in").symlink_to("a/1.bin")
+    (src / "indir").symlink_to("c")
+    sel = warmup.select(str(src), ["out", "outdir/secret", "outdir", "in", "indir"])
+    assert rel(src, sel) == ["a/1.bin", "c/6.bin", "c/7.bin"]
+    assert [os.path.relpath(p, src) for p, _ in sel.errors] == ["out", "outdir/secret", "outdir"]
+    assert all("leads out of the mount" in why for _, why in sel.errors)
+
+
+def test_reads_never_pass_a_symlink_swapped_in_after_the_selection(
+    src: Path, tmp_path: Path
+) -> None:
+    outside = make_tree(tmp_path / "outside", {"1.bin": b"secret"})
+    chosen = [str(src / "a" / "1.bin"), str(src / "b" / "4.bin")]
+    (src / "a").rename(tmp_path / "a-moved")
+    (src / "a").symlink_to(outside)  # as a writer of SRC could, between select and read
+    result = warmup.warm(chosen, jobs=1, root=str(src))
+    assert (result.files, result.bytes, result.failed) == (1, 4000, 1)
+    assert result.failures[0][0] == chosen[0]
+
+
+def test_warmup_of_a_link_out_of_the_mount_reads_nothing(
+    src: Path, tmp_path: Path, mounter, capsys
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's file")
+    (src / "link").symlink_to(secret)
+    m = mounter(src)
+    assert main(str(m.mnt), "link", "top.txt") == warmup.EXIT_UNREADABLE
+    out, err = capsys.readouterr()
+    assert "warmed 1 files" in out
+    assert f"{m.mnt}/link: a symbolic link that leads out of the mount" in err

@@ -42,18 +42,21 @@ __all__ = ["NBUCKETS", "Ledger"]
 NBUCKETS = 4096
 _BUCKETS = {f"{i:03x}": i for i in range(NBUCKETS)}
 _UNSCANNED, _SCANNING, _KNOWN = 0, 1, 2
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 class Ledger:
     """Counters of the entries under `data`, and the walk that rebuilds them.
 
+    :dir_fd: the cache directory, held by the store; the names below are relative to it
     :data: the data/ directory (buckets of entries)
     :tmp: the tmp/ directory; the walk sweeps it, except files named with `keep_prefix`
     :fresh: the directory was created just now, so it holds nothing to count
     """
 
-    def __init__(self, data: str, tmp: str, keep_prefix: str, *, fresh: bool) -> None:
+    def __init__(self, dir_fd: int, data: str, tmp: str, keep_prefix: str, *, fresh: bool) -> None:
         self.lock = threading.Lock()
+        self._dir = dir_fd
         self.used_bytes = 0
         self.disk_bytes = 0
         self.entries = 0
@@ -137,22 +140,31 @@ class Ledger:
                 self.outdated_entries,
             )
 
+    def _names(self, sub: str) -> list[str]:
+        """The names in directory `sub` of the cache directory (not through a symlink)."""
+        fd = os.open(sub, _DIR | os.O_NOFOLLOW, dir_fd=self._dir)
+        try:
+            with os.scandir(fd) as it:
+                return [
+                    e.name for e in it if not e.is_dir(follow_symlinks=False) or sub == self._data
+                ]
+        finally:
+            os.close(fd)
+
     def _existing_buckets(self) -> Iterable[int]:
-        with os.scandir(self._data) as it:
-            names = [entry.name for entry in it]
-        return [_BUCKETS[name] for name in names if name in _BUCKETS]
+        return [_BUCKETS[name] for name in self._names(self._data) if name in _BUCKETS]
 
     def _sweep_tmp(self) -> None:
         swept = 0
-        with os.scandir(self._tmp) as it:
-            for entry in it:
-                if entry.name.startswith(self._keep_prefix):
-                    continue  # a put() of ours in flight
-                try:
-                    os.unlink(entry.path)
-                    swept += 1
-                except OSError as exc:
-                    log.warning("cannot remove stray %s: %s", entry.path, exc)
+        for name in self._names(self._tmp):
+            if name.startswith(self._keep_prefix):
+                continue  # a put() of ours in flight
+            path = f"{self._tmp}/{name}"
+            try:
+                os.unlink(path, dir_fd=self._dir)
+                swept += 1
+            except OSError as exc:
+                log.warning("cannot remove stray %s: %s", path, exc)
         if swept:
             log.info("removed %d stray temporary files from the cache", swept)
 
@@ -162,9 +174,8 @@ class Ledger:
             # Listing under the lock fixes which files this walk will count: a put() of a
             # name outside the listing counts itself, one inside leaves it to the walk.
             try:
-                with os.scandir(bdir) as it:
-                    names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
-            except FileNotFoundError:
+                names = self._names(bdir)
+            except (FileNotFoundError, NotADirectoryError):
                 names = []
             self._pending = set(names)
             self._state[bucket] = _SCANNING
@@ -185,7 +196,7 @@ class Ledger:
     def _scan_entry(self, path: str, name: str) -> tuple[bytes, int, Signature] | None:
         """Check one file's header, count it if good, delete it if bad. Call with lock held."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self._dir)
         except FileNotFoundError:
             return None  # removed since the listing
         except OSError as exc:
@@ -215,7 +226,7 @@ class Ledger:
         """Delete an uncounted bad file that the walk found."""
         self.count_bad(verdict, path)
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=self._dir)
         except FileNotFoundError:
             pass
         except OSError as exc:

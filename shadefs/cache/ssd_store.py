@@ -6,7 +6,8 @@ nothing wrong is ever served and it reports how many bytes it holds.
 
 Layout of the cache directory (created with mode 0700)::
 
-    lock                    flock(LOCK_EX) held by the daemon; contains its pid
+    lock                    flock(LOCK_EX) held by the daemon on a descriptor kept open for
+                            its life; contains its pid
     tmp/<pid>-<token>-<n>.tmp   entries being written (swept by scan() after a crash)
     data/<3 hex>/<32 hex>   entries; the name is xxh3_128(relpath), the bucket its first
                             3 hex digits (4096 buckets: ~2,500 files each at 10 M entries)
@@ -17,6 +18,14 @@ changed) or an outdated one (another format version) in ``stale_entries``.
 Writes go to tmp/ and are renamed into place with os.replace, without fsync: after a crash
 an entry is the old file, the new file, or (on some filesystems) a torn file that the
 checksums reject. That is enough for a cache whose source of truth is elsewhere.
+
+Every access goes through a descriptor of the cache directory opened once, never through its
+path: if someone deletes or replaces the directory while the daemon runs, the daemon keeps
+working in the directory it opened (an entry that is gone is a miss, a write that fails is
+refused) and never touches the new one, which another daemon may then take. `lost()` says
+when the directory was deleted; the tier then runs on RAM and the source (ssd_tier.py).
+The directory must belong to the daemon's user and be writable by no one else
+(`check_owner`): an entry forged by another user is never served.
 
 Accounting (`ssd_ledger`): ``used_bytes`` counts data bytes only; ``disk_bytes`` counts what
 ``du`` would see (whole files rounded up to 4 KiB blocks) and is what the watermarks compare
@@ -32,6 +41,7 @@ import itertools
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,8 +58,12 @@ from shadefs.cache.ssd_format import (
     write_all,
 )
 from shadefs.cache.ssd_ledger import Ledger
+from shadefs.cache.ssd_owner import check_owner
 
 log = logging.getLogger(__name__)
+
+# Entries are files the store wrote: a symlink in their place is refused, never followed.
+_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 __all__ = ["CacheLocked", "SsdStore"]
 
@@ -77,28 +91,61 @@ class SsdStore:
         self.min_free = min_free
         self._lock_fd: int | None = None
         self._put_failing = False
+        self._warned: set[str] = set()
 
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._take_lock()
-        self._data = str(self.root / "data")
-        self._tmp = str(self.root / "tmp")
-        fresh = not os.path.isdir(self._data)
+        # The directory as it is now, held for the daemon's life: every path below is
+        # relative to this descriptor (module docstring).
+        self._dir = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.makedirs(self._data, mode=0o700, exist_ok=True)
-            os.makedirs(self._tmp, mode=0o700, exist_ok=True)
+            check_owner(os.fstat(self._dir), f"cache directory {self.root}")
+            self._take_lock()
+            self._data = "data"
+            self._tmp = "tmp"
+            fresh = not self._isdir(self._data)
+            for sub in (self._data, self._tmp):
+                try:
+                    os.mkdir(sub, 0o700, dir_fd=self._dir)
+                except FileExistsError:
+                    pass
+                check_owner(
+                    os.stat(sub, dir_fd=self._dir, follow_symlinks=False),
+                    f"cache directory {self.root / sub}",
+                )
         except BaseException:
             self.close()
             raise
         # Our own tmp files carry this prefix so a concurrent scan() never sweeps them.
         self._tmp_prefix = f"{os.getpid()}-{secrets.token_hex(4)}-"
         self._seq = itertools.count()
-        self.ledger = Ledger(self._data, self._tmp, self._tmp_prefix, fresh=fresh)
+        self.ledger = Ledger(self._dir, self._data, self._tmp, self._tmp_prefix, fresh=fresh)
+
+    def _isdir(self, name: str) -> bool:
+        try:
+            st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISDIR(st.st_mode)
+
+    def lost(self) -> bool:
+        """Whether the cache directory was deleted under the daemon (it holds no entry)."""
+        try:
+            return os.fstat(self._dir).st_nlink == 0
+        except OSError:
+            return True
+
+    def warn_once(self, what: str, msg: str, *args: object) -> None:
+        """Log a failure of the cache disk once per kind, not once per request."""
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
 
     # -- lifetime ----------------------------------------------------------------------------
 
     def _take_lock(self) -> None:
-        path = self.root / "lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=self._dir
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -112,7 +159,7 @@ class SsdStore:
             raise
         # flock, not fcntl locks: it belongs to the open file description, so the kernel drops
         # it when a crashed daemon's last descriptor closes, and a second store in this same
-        # process is refused too.
+        # process is refused too. The descriptor stays open until close().
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -122,6 +169,9 @@ class SsdStore:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
+        dfd, self._dir = self._dir, -1
+        if dfd >= 0:
+            os.close(dfd)
 
     def __enter__(self) -> SsdStore:
         return self
@@ -138,7 +188,7 @@ class SsdStore:
 
     def key_path(self, relpath: bytes) -> Path:
         """Where relpath's entry lives; a pure function of relpath."""
-        return Path(self._key(relpath)[2])
+        return self.root / self._key(relpath)[2]
 
     # The ledger's counters, read by the tier and the stats.
 
@@ -175,11 +225,11 @@ class SsdStore:
         """
         bucket, name, path = self._key(relpath)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _READ, dir_fd=self._dir)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("cannot open cache entry %s: %s", path, exc)
+            self.warn_once("open", "cannot open cache entry %s: %s", path, exc)
             return None
         try:
             try:
@@ -205,7 +255,7 @@ class SsdStore:
         """
         _, _, path = self._key(relpath)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _READ, dir_fd=self._dir)
         except FileNotFoundError:
             return None
         except OSError:
@@ -227,15 +277,15 @@ class SsdStore:
             self.ledger.count_bad(verdict, path)
             try:
                 mine = os.fstat(fd)
-                st = os.stat(path)
+                st = os.stat(path, dir_fd=self._dir, follow_symlinks=False)
             except OSError:
                 return
             if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev):
                 return  # replaced by a fresh put() since we opened it: that one is fine
             try:
-                os.unlink(path)
+                os.unlink(path, dir_fd=self._dir)
             except OSError as exc:
-                log.warning("cannot delete cache entry %s: %s", path, exc)
+                self.warn_once("delete", "cannot delete cache entry %s: %s", path, exc)
                 return
             if self.ledger.counted(bucket, name):
                 self.ledger.sub(rlen, size)
@@ -263,12 +313,9 @@ class SsdStore:
             log.warning("not caching %r: %s", relpath, exc)
             return False
         need = disk_size(file_size)
-        try:
-            if self.disk_free() - need < self.min_free:
-                log.debug("not caching %r: would leave less than %d bytes", relpath, self.min_free)
-                return False
-        except OSError as exc:
-            return self._put_failed(relpath, exc)
+        if self.disk_free() - need < self.min_free:
+            log.debug("not caching %r: would leave less than %d bytes", relpath, self.min_free)
+            return False
         if self.disk_bytes + need > self.capacity:
             log.debug("not caching %r: cache is at capacity", relpath)
             return False
@@ -279,7 +326,7 @@ class SsdStore:
             self._commit(tmp, bucket, name, path, len(relpath), view.nbytes, file_size)
         except OSError as exc:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=self._dir)
             except OSError:
                 pass
             return self._put_failed(relpath, exc)
@@ -289,7 +336,9 @@ class SsdStore:
         return True
 
     def _write_tmp(self, tmp: str, bufs: list[memoryview]) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self._dir
+        )
         try:
             write_all(fd, bufs)
         finally:
@@ -300,16 +349,20 @@ class SsdStore:
     ) -> None:
         """Rename tmp into place and account for it, atomically w.r.t. other mutations."""
         with self.ledger.lock:
+            d = self._dir
             try:
-                old: os.stat_result | None = os.stat(path)
+                old: os.stat_result | None = os.stat(path, dir_fd=d, follow_symlinks=False)
             except FileNotFoundError:
                 old = None
             try:
-                os.replace(tmp, path)
+                os.replace(tmp, path, src_dir_fd=d, dst_dir_fd=d)
             except FileNotFoundError:
                 # Buckets are made on first use so a fresh cache costs no 4096 mkdirs.
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                os.replace(tmp, path)
+                try:
+                    os.mkdir(os.path.dirname(path), 0o700, dir_fd=d)
+                except FileExistsError:
+                    pass
+                os.replace(tmp, path, src_dir_fd=d, dst_dir_fd=d)
             if self.ledger.counted(bucket, name):
                 if old is not None:
                     self.ledger.sub(rlen, old.st_size)
@@ -330,12 +383,12 @@ class SsdStore:
         bucket, name, path = self._key(relpath)
         with self.ledger.lock:
             try:
-                st = os.stat(path)
-                os.unlink(path)
+                st = os.stat(path, dir_fd=self._dir, follow_symlinks=False)
+                os.unlink(path, dir_fd=self._dir)
             except FileNotFoundError:
                 return 0
             except OSError as exc:
-                log.warning("cannot delete cache entry %s: %s", path, exc)
+                self.warn_once("delete", "cannot delete cache entry %s: %s", path, exc)
                 return 0
             if self.ledger.counted(bucket, name):
                 return self.ledger.sub(len(relpath), st.st_size)
@@ -353,8 +406,12 @@ class SsdStore:
     # -- space -------------------------------------------------------------------------------
 
     def disk_free(self) -> int:
-        """Bytes available to us on the cache disk."""
-        st = os.statvfs(self.root)
+        """Bytes available to us on the cache disk (0 when the disk does not say)."""
+        try:
+            st = os.statvfs(self._dir)
+        except OSError as exc:
+            self.warn_once("statvfs", "cannot read the free space of %s: %s", self.root, exc)
+            return 0
         return st.f_bavail * st.f_frsize
 
     def over_high_watermark(self) -> bool:

@@ -14,7 +14,10 @@ module adds the tier's index and policy, and the background work:
   cache disk's free space falls below the floor, an evictor shrinks the tier to the low mark
   in the policy's order.
 - **Degradation.** A failed write (full disk, I/O error) is refused by the store and logged
-  once. The tier then keeps serving what it has and the cache runs on RAM and source.
+  once. The tier then keeps serving what it has and the cache runs on RAM and source. A
+  restore or an evictor pass that fails is logged and ends, never the daemon. A cache
+  directory deleted under the daemon is noticed by the evictor's next pass: the tier
+  forgets its entries, is logged once, and takes no more writes (`lost`).
 
 Index keys are cache keys (inode numbers). After a restart, the key of a restored entry is
 derived from the source inode in its signature, the same way the namespace derives it
@@ -88,6 +91,8 @@ class SsdTier:
         self._limiter = trio.CapacityLimiter(16)
         # The block size of block entries (cache/blocks.py sets it; 0: none are restored).
         self.block_size = 0
+        # The cache directory was deleted under the daemon: nothing is looked up or written.
+        self.lost = False
 
     @property
     def capacity(self) -> int:
@@ -114,7 +119,7 @@ class SsdTier:
         stall every other request for the duration of a disk read, and in threads the reads
         of concurrent readers overlap.
         """
-        warm = self.store.in_page_cache(relpath)
+        warm = None if self.lost else self.store.in_page_cache(relpath)
         if warm is None:
             data = None
         elif warm:
@@ -137,8 +142,11 @@ class SsdTier:
             return
         self.hits += 1
         if not known:
-            # Found before the restore reached it: index it now.
+            # Found before the restore reached it: index it now. It is an entry of an earlier
+            # run all the same, so it counts as restored (the walk will skip it).
             self._index(key, relpath, sig.size, restored=True)
+            if not self.restore_done:
+                self.restore_entries += 1
         self.policy.accessed(key, True, job)
 
     def _index(self, key: int, relpath: bytes, size: int, *, restored: bool = False) -> None:
@@ -163,7 +171,7 @@ class SsdTier:
 
     def offer(self, key: int, relpath: bytes, data: bytes, sig: Signature) -> None:
         """Queue a freshly fetched file for the SSD (never blocks)."""
-        if len(data) > self.max_entry or key in self.index or key in self._pending:
+        if len(data) > self.max_entry or key in self.index or key in self._pending or self.lost:
             return
         try:
             self._send.send_nowait(_Pending(key, relpath, data, sig))
@@ -233,6 +241,16 @@ class SsdTier:
 
     async def restore(self) -> None:
         """Rebuild the index from the store's scan, in the background."""
+        try:
+            await self._restore()
+        except OSError as exc:
+            # A cache disk that fails (or a directory deleted) during the walk ends the
+            # restore, not the daemon: what was indexed stays, lookups still go by path.
+            log.warning("SSD restore stopped: %s; the tier keeps what it indexed", exc)
+            self.restore_done = True
+            self._wake_evictor.set()
+
+    async def _restore(self) -> None:
         t0 = time.monotonic()
         scan = self.store.scan()
         while True:
@@ -279,12 +297,28 @@ class SsdTier:
             with trio.move_on_after(interval):
                 await self._wake_evictor.wait()
             self._wake_evictor = trio.Event()
+            if self.lost:
+                continue
+            if self.store.lost():
+                self._lose()
+                continue
             if not self.store.over_high_watermark():
                 continue
             victims = self.policy.shrink(self.store.bytes_to_free())
             log.info("SSD tier above its high watermark: evicting %d entries", len(victims))
             for key in victims:
                 await self._evict(key)
+
+    def _lose(self) -> None:
+        """The cache directory was deleted: forget its entries, run on RAM and source."""
+        self.lost = True
+        log.error(
+            "SSD cache directory %s was deleted while mounted: the SSD tier is off until the "
+            "next mount; serving from RAM and the source",
+            self.store.root,
+        )
+        for key in list(self.index):
+            self._forget(key)
 
     async def set_capacity(self, capacity: int) -> None:
         self.store.capacity = capacity

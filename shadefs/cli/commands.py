@@ -7,9 +7,9 @@ in common.py; only bugs produce a traceback (exit code 1).
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +17,7 @@ import time
 from shadefs import __version__, options
 from shadefs.cli.background import spawn_background
 from shadefs.cli.checks import check_environment
+from shadefs.cli.waiting import ANSWER_TIMEOUT, NoAnswer, mounted, within
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
@@ -28,6 +29,8 @@ from shadefs.options import argtype
 from shadefs.torch.client import ControlClient, read_stats
 
 log = logging.getLogger(__name__)
+
+_WAIT = "seconds to wait for the daemon to answer (default: %(default)g)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--interval", type=argtype(parse_float), default=1.0, help="seconds between refreshes"
     )
+    s.add_argument("--timeout", type=argtype(parse_float), default=ANSWER_TIMEOUT, help=_WAIT)
 
     w = sub.add_parser("warmup", help="read files into the cache ahead of training")
     from shadefs.ops import warmup
@@ -64,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("ctl", help="send a control command to a mount")
     c.add_argument("mountpoint", metavar="MNT")
     c.add_argument("words", nargs="+", metavar="COMMAND", help="e.g.  ram 8G")
+    c.add_argument("--timeout", type=argtype(parse_float), default=ANSWER_TIMEOUT, help=_WAIT)
 
     d = sub.add_parser("demo", help="mount a bundled dataset and show what the cache does")
     d.add_argument("--dataset", help="an ImageFolder tree to use instead of the bundled one")
@@ -87,35 +92,50 @@ def cmd_stat(args: argparse.Namespace) -> int:
         from shadefs.ops.watch import watch
 
         return watch(args.mountpoint, args.interval)
-    sys.stdout.write(ControlClient(args.mountpoint).text("stats.json" if args.json else "stats"))
+    client = ControlClient(args.mountpoint)
+    name = "stats.json" if args.json else "stats"
+    sys.stdout.write(within(args.timeout, client.mountpoint, lambda: client.text(name)))
+    sys.stdout.flush()
     return 0
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
-    print(ControlClient(args.mountpoint).ctl(" ".join(args.words)))
+    client = ControlClient(args.mountpoint)
+    print(within(args.timeout, client.mountpoint, lambda: client.ctl(" ".join(args.words))))
     return 0
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    mnt = os.path.abspath(args.mountpoint)
+    # The mount point's own path is never resolved through the mount: stat'ing it would
+    # wait on a stopped daemon.
+    raw = os.path.abspath(args.mountpoint)
+    mnt = os.path.join(os.path.realpath(os.path.dirname(raw)), os.path.basename(raw))
+    if not mounted(mnt):
+        raise QuietError(f"{mnt} is not mounted", EXIT_NOT_SHADEFS)
     pid = None
+    silent = None
     try:
-        pid = int(read_stats(mnt)["pid"])
-    except (QuietError, OSError, ValueError, KeyError):
+        pid = int(within(min(args.timeout, ANSWER_TIMEOUT), mnt, lambda: read_stats(mnt))["pid"])
+    except NoAnswer as exc:
+        if not args.lazy:
+            raise
+        silent = exc
+    except (QuietError, OSError, ValueError, KeyError, TypeError):
         pass  # a dead daemon (ENOTCONN) is unmounted all the same
-    if not os.path.ismount(mnt):
-        try:
-            os.stat(mnt)
-        except OSError as exc:
-            if exc.errno != errno.ENOTCONN:
-                raise QuietError(f"{mnt}: {exc.strerror}", EXIT_NOT_SHADEFS) from None
-        else:
-            raise QuietError(f"{mnt} is not mounted", EXIT_NOT_SHADEFS)
     cmd = ["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise QuietError(
+            f"unmounting {mnt}: fusermount3 did not finish", EXIT_NOT_SHADEFS
+        ) from None
     if res.returncode != 0:
         msg = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
         raise QuietError(f"unmounting {mnt}: {msg}", EXIT_NOT_SHADEFS)
+    if silent is not None:
+        # Detached: the daemon exits once it runs again and finds its mount gone.
+        print(f"shadefs: detached {mnt}; its daemon did not answer (stopped?)", file=sys.stderr)
+        return 0
     if pid is not None:
         deadline = time.monotonic() + args.timeout
         while _alive(pid):
@@ -173,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exitcode
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `shadefs stat --json | head -1`: the reader left. Quiet, like a tool killed by
+        # SIGPIPE; stdout goes to /dev/null so that the flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     parser.error(f"unknown command {args.command}")
 
 

@@ -2,7 +2,10 @@
 `plan`): assembling what clients write, decoding it, and calling the service.
 
 Binary messages (shadefs/sampling/wire.py) may arrive split over several write() calls: the
-handle buffers them, and each message is processed once it is complete. Line files keep a
+handle buffers them, and each message is processed once it is complete. Only what a client
+sends to that file is taken (a response's magic is refused), and a header is checked as
+soon as it is whole, against the registered dataset too: a forged one that declares more
+than a real message needs fails the write with EINVAL before anything is buffered. Line files keep a
 partial last line until the rest of it arrives. The decisions (which files, what order,
 what to prefetch) are the service's.
 """
@@ -14,7 +17,7 @@ import logging
 import numpy as np
 
 from shadefs.control.commands import CommandError, relpath
-from shadefs.control.entries import DATASET, LOSSES, PLAN, RESIDENCY, STREAMS, Handle
+from shadefs.control.entries import DATASET, LOSSES, ORDER, PLAN, RESIDENCY, STREAMS, Handle
 from shadefs.control.service import ControlService
 from shadefs.sampling import wire, wire_nodes
 
@@ -22,6 +25,16 @@ log = logging.getLogger(__name__)
 
 # The longest line a line file buffers while waiting for its newline.
 _MAX_LINE = 1 << 16
+# The messages a client may write to each stream.
+_ACCEPTS = {
+    DATASET: (wire.MAGIC_DATASET,),
+    LOSSES: (wire.MAGIC_LOSSES,),
+    ORDER: (
+        wire.MAGIC_ORDER_REQUEST,
+        wire_nodes.MAGIC_RESIDENT_REQUEST,
+        wire_nodes.MAGIC_NODE_ORDER,
+    ),
+}
 
 
 class Channel:
@@ -45,7 +58,8 @@ class Channel:
         assert spec in STREAMS
         handle.pending += buf
         result = None
-        for message in _complete_messages(handle.pending):
+        samples = self.service.dataset_info().samples
+        for message in _complete_messages(handle.pending, _ACCEPTS[spec], samples):
             result = await self._message(handle, message) or result
         return result
 
@@ -119,11 +133,15 @@ def dataset_summary(service: ControlService) -> bytes:
     ).encode()
 
 
-def _complete_messages(pending: bytearray) -> list[bytes]:
-    """Split the complete wire messages off the front of `pending` (in place)."""
+def _complete_messages(pending: bytearray, accepts: tuple[bytes, ...], samples: int) -> list[bytes]:
+    """Split the complete wire messages off the front of `pending` (in place); WireError
+    for a message of a kind not in `accepts`, or a header that a real message never has."""
     out = []
     while pending:
-        length = wire_nodes.message_length(pending)
+        head = bytes(pending[:4])
+        if not any(magic.startswith(head) for magic in accepts):
+            raise wire.WireError(f"a {head!r} message cannot be written here")
+        length = wire_nodes.message_length(pending, samples)
         if length is None or len(pending) < length:
             break
         out.append(bytes(pending[:length]))

@@ -196,8 +196,10 @@ class Control:
             else:
                 raise pyfuse3.FUSEError(errno.EBADF)
         except (CommandError, Rejected, wire.WireError) as exc:
-            # A ctl write stands alone (one echo, one command); a stream does not.
+            # A ctl write stands alone (one echo, one command); a stream does not, and what
+            # it buffered is dropped: nothing more is kept for a refused message.
             handle.poisoned = handle.spec is not CTL
+            handle.pending = bytearray()
             self._reject(handle, str(exc))
             raise pyfuse3.FUSEError(errno.EINVAL) from None
         return len(buf)

@@ -37,7 +37,7 @@ from shadefs.control.files import Control
 from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.xattrs import Xattrs
-from shadefs.source import Source
+from shadefs.source import OPENER, Source
 from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,16 @@ class Operations(pyfuse3.Operations):
     # --- data -------------------------------------------------------------------------
 
     async def open(
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo:
+        # Source descriptors this open takes count against the opener (source.py).
+        token = OPENER.set(ctx.uid)
+        try:
+            return await self._open(inode, flags, ctx)
+        finally:
+            OPENER.reset(token)
+
+    async def _open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
         if Control.owns(inode):

@@ -13,8 +13,13 @@ shows that).
 PATHs, on the command line or one per line in `--from-file F` (`-` reads standard input),
 follow one rule: a relative path is relative to MNT, an absolute path must lie under MNT.
 Directories are walked recursively in name order; symbolic links and special files found by
-the walk are skipped (a link could lead out of the mount or loop; a FIFO would block). With
-neither PATHs nor a list, the whole mount is warmed.
+the walk are skipped (a link could lead out of the mount or loop; a FIFO would block). A
+PATH that is itself a symbolic link, or passes through one, is followed only while it stays
+inside the mount: one that leads out of it is a failure, never read (warmup often runs as
+root, and a link in SRC may name any file). Files are opened beneath MNT's descriptor with
+no symlink on the way (`source_paths.Resolver`), so a directory swapped for a link after
+the selection cannot lead the read out either. With neither PATHs nor a list, the whole
+mount is warmed.
 
 Exit codes (the others are in common.py):
 
@@ -44,6 +49,7 @@ from typing import Protocol
 from shadefs.common import EXIT_OK, EXIT_USAGE, QuietError, format_size
 from shadefs.ops import residency_check
 from shadefs.ops.residency_check import MAX_LISTED
+from shadefs.source_paths import Resolver
 from shadefs.torch.client import CONTROL_DIR, ControlClient
 
 log = logging.getLogger(__name__)
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_for(sys.stderr) as progress:
         selection = select(mnt, args.paths, args.from_file, sizes=args.check, progress=progress)
         files = [f for f, _ in selection.files]
-        result = None if args.check else warm(files, jobs=args.jobs, progress=progress)
+        result = None if args.check else warm(files, jobs=args.jobs, progress=progress, root=mnt)
     if result is None:
         report = residency_check.check(mnt, selection.files, client.residency)
         missing = residency_check.print_report(report, selection.errors, args.json)
@@ -214,6 +220,14 @@ def _read_list(mnt: str, name: str) -> list[str]:
 def _expand(mnt: str, target: str, sel: Selection, sizes: bool, progress: Progress | None) -> None:
     if _is_control(mnt, target):
         raise QuietError(f"{target} is the control directory, not data", EXIT_USAGE)
+    # The same place without symbolic links, if it is inside the mount at all.
+    real, real_mnt = os.path.realpath(target), os.path.realpath(mnt)
+    if not _is_under(real_mnt, real):
+        sel.errors.append((target, "a symbolic link that leads out of the mount: not followed"))
+        return
+    target = os.path.normpath(os.path.join(mnt, os.path.relpath(real, real_mnt)))
+    if _is_control(mnt, target):
+        raise QuietError(f"{target} is the control directory, not data", EXIT_USAGE)
     try:
         st = os.stat(target)
     except FileNotFoundError:
@@ -287,9 +301,17 @@ class Result:
         }
 
 
-def read_file(path: str, buf: bytearray) -> int:
-    """Read `path` to its end into `buf` (reused, so no allocation per chunk); bytes read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def read_file(path: str, buf: bytearray, beneath: Resolver | None = None) -> int:
+    """Read `path` to its end into `buf` (reused, so no allocation per chunk); bytes read.
+
+    With `beneath` (a resolver of the mount), `path` is opened relative to the mount with no
+    symbolic link on the way, and only if it is a regular file.
+    """
+    if beneath is None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    else:
+        root = os.fsdecode(beneath.root)
+        fd, _ = beneath.open_regular(os.fsencode(os.path.relpath(path, root)))
     try:
         total = 0
         while n := os.readv(fd, [buf]):
@@ -300,10 +322,18 @@ def read_file(path: str, buf: bytearray) -> int:
 
 
 def warm(
-    paths: Sequence[str], *, jobs: int = DEFAULT_JOBS, progress: Progress | None = None
+    paths: Sequence[str],
+    *,
+    jobs: int = DEFAULT_JOBS,
+    progress: Progress | None = None,
+    root: str | None = None,
 ) -> Result:
-    """Read every file of `paths` fully with `jobs` threads (reads through FUSE drop the GIL)."""
+    """Read every file of `paths` fully with `jobs` threads (reads through FUSE drop the GIL).
+
+    With `root` (the mount), every path is opened beneath it, never through a symlink.
+    """
     result = Result()
+    beneath = Resolver(os.fsencode(root)) if root is not None else None
     lock = threading.Lock()
     stop = threading.Event()
     items: Iterator[str] = iter(paths)
@@ -317,7 +347,7 @@ def warm(
             if path is None:
                 return
             try:
-                n = read_file(path, buf)
+                n = read_file(path, buf, beneath)
             except OSError as exc:
                 with lock:
                     result.failed += 1

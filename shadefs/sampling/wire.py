@@ -34,6 +34,8 @@ _MAGICS = (MAGIC_DATASET, MAGIC_LOSSES, MAGIC_ORDER_REQUEST, MAGIC_ORDER_RESPONS
 #: buffer gigabytes.  ImageNet-22k is 14 M files (about 1 GB of relative paths).
 MAX_SAMPLES = 1 << 27
 MAX_DATASET_BYTES = 1 << 31
+#: The longest relative path a dataset may hold (Linux's PATH_MAX).
+MAX_PATH = 4096
 MAX_LOSSES = 1 << 22
 MAX_WORLD_SIZE = 65536
 
@@ -123,8 +125,11 @@ def message_length(prefix: bytes | bytearray | memoryview) -> int | None:
 def _check_dataset_counts(count: int, payload: int) -> None:
     if count > MAX_SAMPLES:
         raise WireError(f"dataset count {count} above the limit {MAX_SAMPLES}")
-    if payload > MAX_DATASET_BYTES:
-        raise WireError(f"dataset payload {payload} bytes above the limit {MAX_DATASET_BYTES}")
+    limit = min(MAX_DATASET_BYTES, count * (MAX_PATH + 1))
+    if payload > limit:
+        # No real list needs more than PATH_MAX per path: a header that declares more is
+        # refused before its payload is buffered.
+        raise WireError(f"dataset payload of {payload} bytes above the limit {limit}")
     # Every path is at least one character plus its newline.
     if payload < 2 * count or (count == 0 and payload != 0):
         raise WireError(f"dataset payload of {payload} bytes cannot hold {count} paths")

@@ -35,6 +35,9 @@ MAGIC_RESIDENT_REQUEST = b"SHDB"
 MAGIC_RESIDENT = b"SHDM"
 MAGIC_NODE_ORDER = b"SHDI"
 MAX_NODES = 4096
+#: The largest ``SHDI`` message the daemon buffers: 64 nodes' bitmaps of ImageNet-22k's
+#: 14 M samples and its order take 0.2 GB; a forged header declaring more is refused.
+MAX_NODE_ORDER_BYTES = 1 << 30
 
 _BITS = struct.Struct("<4sHHQ")  # magic, version, flags, n (request and response)
 _NODE = struct.Struct("<4sHHQQIIIIQQ")  # ..., epoch, seed, world, nodes, me, 0, n, length
@@ -76,8 +79,14 @@ def _node_length(nodes: int, world: int, n: int, length: int) -> int:
     return _NODE.size + 8 * nodes + 4 * world + nodes * bitmap_bytes(n) + 8 * length
 
 
-def message_length(prefix: bytes | bytearray | memoryview) -> int | None:
-    """``wire.message_length`` extended to the messages of this module."""
+def message_length(
+    prefix: bytes | bytearray | memoryview, samples: int | None = None
+) -> int | None:
+    """``wire.message_length`` extended to the messages of this module.
+
+    With ``samples`` (the registered sample count), an ``SHDI`` header for another count is
+    refused as soon as it is whole, before its bitmaps are buffered.
+    """
     head = bytes(prefix[:4])
     if head == MAGIC_RESIDENT_REQUEST:
         return _BITS.size
@@ -89,7 +98,12 @@ def message_length(prefix: bytes | bytearray | memoryview) -> int | None:
     if version != VERSION or flags:
         raise WireError(f"unsupported version {version} or flags 0x{flags:04x}")
     _check_node_counts(world, nodes, me, n, length)
-    return _node_length(nodes, world, n, length)
+    if samples is not None and n != samples:
+        raise WireError(f"node order for {n} samples, but {samples} are registered")
+    total = _node_length(nodes, world, n, length)
+    if total > MAX_NODE_ORDER_BYTES:
+        raise WireError(f"node order of {total} bytes above the limit {MAX_NODE_ORDER_BYTES}")
+    return total
 
 
 def _header(buf: bytes | bytearray | memoryview, magic: bytes, size: int) -> None:
