@@ -315,7 +315,7 @@ class Service:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
         members = self.cache.jobs.members(group) if group else 1
         with _refusing():
-            share = self.sampling.order(request, self._resident, group, members)
+            share = self.sampling.order(request, self._resident, group, self._job_row(pid))
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The

@@ -10,6 +10,7 @@ import trio
 
 from shadefs.cache.coordinator import Cache
 from shadefs.sampling import wire
+from shadefs.sampling.jobs import JobTable, ProcInfo
 from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.registry import Sampling
 from shadefs.stats import Metrics
@@ -51,12 +52,34 @@ def test_pending_reads_count_down_and_a_later_epoch_starts_afresh() -> None:
     pending.read(10)  # a read beyond the order's does not go negative
     assert not pending.pending(10) and _total(pending) == 1
     assert not pending.pending(99) and not pending.pending(-5)  # outside the dataset
-    pending.expect(1, np.array([1]))  # another job's order of the same epoch adds
+    pending.expect(1, np.array([0, 0, 3]))  # the same share again: counted once
+    assert _total(pending) == 1
+    pending.expect(1, np.array([1]), share=(2, 1))  # another rank's share of the epoch adds
     assert _total(pending) == 2
     pending.expect(2, np.array([4]))  # a later epoch replaces
     assert _total(pending) == 1 and pending.pending(14) and not pending.pending(13)
-    pending.expect(3, np.array([1, 2]), readers=3)  # a sweep group's members read it each
-    assert _total(pending) == 6 and int(pending.left[1]) == 3
+
+
+def test_each_job_counts_its_own_reads_and_epochs() -> None:
+    # Two members of a sweep group read one order each, at their own pace: the one that
+    # starts the next epoch first keeps what the other still reads of this one.
+    pending = PendingReads(lambda key: key)
+    pending.reset(4)
+    pending.expect(0, np.array([0, 1, 2]), job=0)
+    pending.expect(0, np.array([0, 1, 2]), job=1)
+    assert int(pending.left[0]) == 2
+    pending.read(0, 0)
+    pending.read(0, 0)  # job 0 reads no sample 0 beyond its own order's
+    assert int(pending.left[0]) == 1 and pending.pending(0)
+    pending.expect(1, np.array([3]), job=0)  # job 0 moves on; 1 and 2 it skipped
+    assert pending.pending(0) and pending.pending(3)
+    assert [int(x) for x in pending.left] == [1, 1, 1, 1]
+    pending.expect(0, np.array([0, 1, 2]), job=0)  # a stale request counts nothing
+    assert int(pending.left.sum()) == 4
+    pending.read(0, 1)
+    assert not pending.pending(0)
+    pending.drop(1)  # job 1 ended
+    assert [int(x) for x in pending.left] == [0, 0, 0, 1]
 
 
 def test_an_order_counts_every_entry_of_every_rank() -> None:
@@ -153,3 +176,50 @@ def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
     assert cache.describe().policy.kept == 0
     _epoch(cache, source, [3])
     assert 3 in cache.entries  # more important, and nothing is kept any more
+
+
+@pytest.mark.parametrize("policy", ["shade", "epoch"])
+def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy: str) -> None:
+    # Two members of one group read one order per epoch, the second 4 files behind the
+    # first: room for 10 files bridges that. The first starts epoch 1 while the second
+    # still reads epoch 0, which must keep what the second has still to read.
+    n, lag = 40, 4
+    pending = PendingReads(lambda key: key if 0 <= key < 2 * n else -1)
+    pending.reset(2 * n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=10 * SIZE,
+        max_entry=SIZE,
+        policy=policy,
+        score_of=lambda key: 0.5,
+        pending=pending,
+        jobs=JobTable(proc=ProcInfo("/nonexistent")),
+    )
+    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    rng = np.random.default_rng(3)
+    orders = [rng.permutation(n), n + rng.permutation(n)]  # epoch 1 reads other files
+    follower_misses: list[int] = []
+
+    async def run() -> None:
+        for t in range(2 * n + lag):
+            for member, row in enumerate(rows):
+                i = t - member * lag
+                if i < 0 or i >= 2 * n:
+                    continue
+                epoch, at = divmod(i, n)
+                if at == 0:
+                    pending.expect(epoch, orders[epoch], row)
+                    cache.begin_epoch(epoch, row)
+                key = int(orders[epoch][at])
+                data = await cache.open(key, b"/%d" % key, source.stat(key), pid=member + 1)
+                assert data is not None
+                cache.unpin(data)
+                if member == 1 and i == n - 1:
+                    follower_misses.append(cache.jobs.jobs[row].misses)
+
+    trio.run(run)
+    # The second member read all of epoch 0 from what the first fetched.
+    assert follower_misses == [0]
+    assert not pending.left.any()

@@ -114,7 +114,8 @@ class Sampling:
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self.table = ImportanceTable(0)
-        self.pending = PendingReads(self.sample_of)  # reads to come this epoch, per sample
+        # Reads to come of the known orders, per sample.
+        self.pending = PendingReads(self.sample_of, self.samples_of)
         self.replay = pads.ReplayController()
         self.fixed_replay: float | None = None
         self.epoch = 0
@@ -170,6 +171,18 @@ class Sampling:
             return int(self._sorted_ids[i])
         return -1
 
+    def samples_of(self, keys: np.ndarray) -> np.ndarray:
+        """`sample_of` of every key of `keys` (int64 or uint64; negative ones are -1)."""
+        sk = self._sorted_keys
+        out = np.full(len(keys), -1, dtype=np.int64)
+        ok = keys >= 0
+        k = keys[ok].astype(np.uint64)
+        i = np.searchsorted(sk, k)
+        i[i >= len(sk)] = 0
+        found = sk[i] == k if len(sk) else np.zeros(len(k), dtype=bool)
+        out[np.flatnonzero(ok)[found]] = self._sorted_ids[i[found]]
+        return out
+
     def score_of(self, key: int) -> float:
         """The importance of cache key `key` (neutral for files outside the dataset)."""
         sid = self.sample_of(key)
@@ -224,11 +237,12 @@ class Sampling:
         request: wire.OrderRequest,
         resident: Callable[[np.ndarray], np.ndarray],
         group: str = "",
-        readers: int = 1,
+        job: int | None = None,
     ) -> np.ndarray:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
         cached. The members of sweep group `group` ("" for none) share one order, which
-        each of its `readers` members reads whole."""
+        each member reads whole. The share counts as job `job`'s reads still to come
+        (sampling/pending.py; None: the node's)."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
@@ -256,11 +270,12 @@ class Sampling:
                 time.perf_counter() - t0,
             )
             self._orders[cache_key] = full
-            self.pending.expect(request.epoch, full, readers)
             while len(self._orders) > _ORDERS_KEPT:
                 self._orders.popitem(last=False)
         self.orders_served += 1
-        return pads.rank_slice(full, request.world_size, request.rank)
+        share = pads.rank_slice(full, request.world_size, request.rank)
+        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank))
+        return share
 
     def install(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch: the global order (built here from the union of
@@ -286,7 +301,7 @@ class Sampling:
             for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
             if node == msg.me
         ]
-        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0])
+        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0], None)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shadefs.cache.policies.base import Policy
+from shadefs.cache.policies.base import Pending, Policy
 from shadefs.cache.policies.belady import BeladyPolicy
 from shadefs.cache.policies.epoch import EpochPolicy
 from shadefs.cache.policies.lru import LruPolicy
@@ -45,13 +45,13 @@ def make_policy(
     next_use: Callable[[int], float] | None = None,
     planned: Callable[[np.ndarray], np.ndarray] | None = None,
     owns: Callable[[int], bool] | None = None,
-    pending: Callable[[int], bool] | None = None,
+    pending: Pending | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
     `belady` by `next_use` (every key infinitely far if None); `epoch` asks `planned`
     what a sweep group's order still reads. With `owns`, admission favours the keys this
-    node owns in a multi-node job (`Owned`). `shade` keeps what `pending` says the epoch's
-    known order still reads."""
+    node owns in a multi-node job (`Owned`). `shade` and `epoch` keep what `pending` says
+    the known orders still read."""
     policy = _make(name, score, next_use, planned, pending)
     return Owned(policy, owns) if owns is not None else policy
 
@@ -61,14 +61,16 @@ def _make(
     score: Callable[[int], float] | None,
     next_use: Callable[[int], float] | None,
     planned: Callable[[np.ndarray], np.ndarray] | None,
-    pending: Callable[[int], bool] | None = None,
+    pending: Pending | None = None,
 ) -> Policy:
     if name == "epoch":
-        return EpochPolicy(planned)
+        if pending is None:
+            return EpochPolicy(planned)
+        return EpochPolicy(planned, pending.pending, pending.pending_keys)
     if name == "lru":
         return LruPolicy()
     if name == "shade":
-        return ShadePolicy(score or (lambda key: 0.5), pending)
+        return ShadePolicy(score or (lambda key: 0.5), pending.pending if pending else None)
     if name == "belady":
         return BeladyPolicy(next_use or (lambda key: math.inf))
     raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")

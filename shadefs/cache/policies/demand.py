@@ -215,19 +215,27 @@ class JobReads:
         result: np.ndarray = wanted.sum(axis=0)
         return result
 
-    def victims(self, need: int, below: int | None) -> list[int] | None:
+    def victims(
+        self,
+        need: int,
+        below: int | None,
+        kept: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> list[int] | None:
         """Keys to evict, lowest rank first, that free `need` bytes; only ranks < `below`
-        when given (None if they do not free enough); everything there is when shrinking."""
+        when given (None if they do not free enough); everything there is when shrinking.
+        With `kept(keys)`, the keys it holds are never victims (pending reads)."""
         if need <= 0:
             return []
         rank, live, _ = self.ranks()
         ok = live if below is None else live & (rank < below)
+        if kept is not None:
+            ok = ok & ~kept(self.keys[: self._n])  # never in place: `live` is a view
         cand = np.flatnonzero(ok)
         cand = cand[np.argsort(rank[cand], kind="stable")]
         total = np.cumsum(self.sizes[cand])
         k = int(np.searchsorted(total, need))
         if k >= len(cand):
-            if below is not None:
+            if below is not None or kept is not None:
                 return None
             return [int(x) for x in self.keys[cand]]
         return [int(x) for x in self.keys[cand[: k + 1]]]

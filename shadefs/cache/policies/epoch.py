@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from itertools import chain
 
 import numpy as np
 
@@ -52,9 +53,19 @@ class EpochPolicy(Policy):
 
     name = "epoch"
 
-    def __init__(self, planned: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """`planned(keys)`: which keys a known order reads from here on (sweep groups)."""
+    def __init__(
+        self,
+        planned: Callable[[np.ndarray], np.ndarray] | None = None,
+        pending: Callable[[int], bool] | None = None,
+        pending_keys: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
+        """`planned(keys)`: which keys a known order reads from here on (sweep groups);
+        `pending(key)` and `pending_keys(keys)`: whether a known order (a ShadeSampler's,
+        sampling/pending.py) reads a key again. Such an entry is never evicted for a miss
+        that no known order reads again, and such a miss may replace any entry without."""
         super().__init__()
+        self.pending = pending
+        self.pending_keys = pending_keys
         self.epoch = 0
         self._explicit = False
         self._last: dict[int, int] = {}
@@ -192,9 +203,18 @@ class EpochPolicy(Policy):
         yield from self._buckets.get(self.epoch - 1, ())
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        keep = self.pending
         if self.shared:
-            return self.reads.victims(size - free, self.reads.rank_of(key))
-        return take_prefix(self._stale(), self.sizes, size - free)
+            if self.pending_keys is None or keep is None:
+                return self.reads.victims(size - free, self.reads.rank_of(key))
+            below = None if keep(key) else self.reads.rank_of(key)
+            return self.reads.victims(size - free, below, self.pending_keys)
+        if keep is None or size <= free:
+            return take_prefix(self._stale(), self.sizes, size - free)
+        # A known order's pending reads come first: kept, and worth a consumed entry.
+        wanted = keep(key)
+        order = chain(self._stale(), self._consumed()) if wanted else self._stale()
+        return take_prefix((k for k in order if not keep(k)), self.sizes, size - free)
 
     def shrink(self, need: int) -> list[int]:
         if self.shared:
