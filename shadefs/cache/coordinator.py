@@ -353,9 +353,8 @@ class Cache:
             name,
             by_file(score_of) if score_of is not None else None,
             by_file(pf.next_use) if pf is not None else None,
-            pf.planned if pf is not None else None,
             self._owns,
-            self.pending,
+            self.pending.pending if self.pending is not None else None,
         )
 
     def _policies(self) -> list[Policy]:

@@ -37,15 +37,9 @@ _POOL = -1  # the node's pool: counts of orders no single job reads (multi-node 
 class PendingReads:
     """`left[sample]`: the reads of the known orders not yet seen, over every job."""
 
-    def __init__(
-        self,
-        sample_of: Callable[[int], int],
-        samples_of: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> None:
-        """`sample_of(key)`: the sample id of a cache key, or -1 outside the dataset;
-        `samples_of(keys)` the same for an array (default: one call per key)."""
+    def __init__(self, sample_of: Callable[[int], int]) -> None:
+        """`sample_of(key)`: the sample id of a cache key, or -1 outside the dataset."""
         self.sample_of = sample_of
-        self.samples_of = samples_of
         self.left = np.zeros(0, dtype=np.int32)
         self.epoch = -1  # no order yet: reads cost one comparison
         self._mine: dict[int, np.ndarray] = {}  # job row (or _POOL) -> its counts
@@ -131,17 +125,3 @@ class PendingReads:
             return False
         sid = self.sample_of(key)
         return sid >= 0 and bool(self.left[sid] > 0)
-
-    def pending_keys(self, keys: np.ndarray) -> np.ndarray:
-        """bool per key of `keys` (int64 or uint64): whether a known order reads it again."""
-        if self.epoch < 0 or not len(keys):
-            return np.zeros(len(keys), dtype=bool)
-        if self.samples_of is not None:
-            sids = self.samples_of(keys)
-        else:
-            sids = np.array([self.sample_of(int(k)) if k >= 0 else -1 for k in keys.tolist()])
-        sids = sids.astype(np.int64, copy=False)
-        ok = (sids >= 0) & (sids < len(self.left))
-        out = np.zeros(len(keys), dtype=bool)
-        out[ok] = self.left[sids[ok]] > 0
-        return out

@@ -114,8 +114,7 @@ class Sampling:
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self.table = ImportanceTable(0)
-        # Reads to come of the known orders, per sample.
-        self.pending = PendingReads(self.sample_of, self.samples_of)
+        self.pending = PendingReads(self.sample_of)  # reads to come of the known orders
         self.replay = pads.ReplayController()
         self.fixed_replay: float | None = None
         self.epoch = 0
@@ -170,18 +169,6 @@ class Sampling:
         if i < len(sk) and int(sk[i]) == key:
             return int(self._sorted_ids[i])
         return -1
-
-    def samples_of(self, keys: np.ndarray) -> np.ndarray:
-        """`sample_of` of every key of `keys` (int64 or uint64; negative ones are -1)."""
-        sk = self._sorted_keys
-        out = np.full(len(keys), -1, dtype=np.int64)
-        ok = keys >= 0
-        k = keys[ok].astype(np.uint64)
-        i = np.searchsorted(sk, k)
-        i[i >= len(sk)] = 0
-        found = sk[i] == k if len(sk) else np.zeros(len(k), dtype=bool)
-        out[np.flatnonzero(ok)[found]] = self._sorted_ids[i[found]]
-        return out
 
     def score_of(self, key: int) -> float:
         """The importance of cache key `key` (neutral for files outside the dataset)."""

@@ -17,21 +17,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
 
-import numpy as np
 from sortedcontainers import SortedList
 
 from shadefs.stats import PolicyState
 
-__all__ = ["Pending", "Policy", "lazy_walk", "ranked_victims", "take_prefix"]
-
-
-class Pending(Protocol):
-    """The reads the known orders still make (sampling/pending.py's PendingReads)."""
-
-    def pending(self, key: int) -> bool: ...
-    def pending_keys(self, keys: np.ndarray) -> np.ndarray: ...
+__all__ = ["Policy", "lazy_walk", "ranked_victims", "take_prefix"]
 
 
 class Policy(ABC):

@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import chain
 
-import numpy as np
-
 from shadefs.cache.policies.base import Policy, take_prefix
 from shadefs.cache.policies.demand import JobReads
 from shadefs.stats import PolicyState
@@ -53,25 +51,18 @@ class EpochPolicy(Policy):
 
     name = "epoch"
 
-    def __init__(
-        self,
-        planned: Callable[[np.ndarray], np.ndarray] | None = None,
-        pending: Callable[[int], bool] | None = None,
-        pending_keys: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> None:
-        """`planned(keys)`: which keys a known order reads from here on (sweep groups);
-        `pending(key)` and `pending_keys(keys)`: whether a known order (a ShadeSampler's,
-        sampling/pending.py) reads a key again. Such an entry is never evicted for a miss
-        that no known order reads again, and such a miss may replace any entry without."""
+    def __init__(self, pending: Callable[[int], bool] | None = None) -> None:
+        """`pending(key)`: whether a known order (a ShadeSampler's, sampling/pending.py)
+        reads `key` again. Such an entry is never evicted for a miss that no known order
+        reads again, and such a miss may replace any entry without."""
         super().__init__()
         self.pending = pending
-        self.pending_keys = pending_keys
         self.epoch = 0
         self._explicit = False
         self._last: dict[int, int] = {}
         # Insertion-ordered buckets of keys by the epoch of their last read.
         self._buckets: dict[int, dict[int, None]] = {}
-        self.reads = JobReads(planned)
+        self.reads = JobReads()
         self._solo = -1  # the row of the one active job, -1 unless exactly one is active
 
     @property
@@ -157,6 +148,7 @@ class EpochPolicy(Policy):
         reads.explicit[row] = self._explicit
         for key, e in self._last.items():
             reads.last[row, reads.slot_of[key]] = e
+        reads.recount()
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         rows = list(self.reads.active) if job is None else [job]
@@ -167,9 +159,6 @@ class EpochPolicy(Policy):
             self._explicit = True
             if epoch > self.epoch:
                 self.epoch = epoch
-
-    def job_named(self, job: int, group: str) -> None:
-        self.reads.set_group(job, group)
 
     def job_ended(self, job: int) -> None:
         reads = self.reads
@@ -205,10 +194,10 @@ class EpochPolicy(Policy):
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
         keep = self.pending
         if self.shared:
-            if self.pending_keys is None or keep is None:
+            if keep is None:
                 return self.reads.victims(size - free, self.reads.rank_of(key))
             below = None if keep(key) else self.reads.rank_of(key)
-            return self.reads.victims(size - free, below, self.pending_keys)
+            return self.reads.victims(size - free, below, keep)
         if keep is None or size <= free:
             return take_prefix(self._stale(), self.sizes, size - free)
         # A known order's pending reads come first: kept, and worth a consumed entry.
