@@ -38,6 +38,7 @@ from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
+from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
@@ -107,6 +108,7 @@ class Service:
             window=window,
             passthrough_above=opts.passthrough_above,
         )
+        self.loop_lag = LoopLag()
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
             self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
@@ -162,6 +164,7 @@ class Service:
         self.cache.start(nursery)
         self._nursery = nursery
         nursery.start_soon(self.speculator.run)
+        nursery.start_soon(self.loop_lag.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 
@@ -185,12 +188,13 @@ class Service:
             prefetch=pf.describe() if pf is not None else None,
             jobs=self.jobs(),
             blocks=blocks.describe() if blocks is not None else None,
+            loop_lag_max_ms=self.loop_lag.take(),
         )
 
     def jobs(self) -> tuple[JobStats, ...]:
-        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy."""
+        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy.
+        Reading them changes nothing: the cache's sweep ends idle jobs."""
         table = self.cache.jobs
-        self.cache.expire_jobs(time.monotonic())
         return tuple(table.describe(self.cache.policy.job_epochs()))
 
     # --- ControlService: what can be asked for -------------------------------------------

@@ -317,6 +317,7 @@ class Stats:
     prefetch: PrefetchStats | None = None
     jobs: tuple[JobStats, ...] = ()
     blocks: BlockStats | None = None
+    loop_lag_max_ms: float = 0.0  # the worst delay of a 10 ms loop timer since the last read
 
     @property
     def opens(self) -> int:
@@ -340,6 +341,7 @@ class Stats:
             "mountpoint": self.mountpoint,
             "source": src.root,
             "uptime_s": self.uptime_s,
+            "loop_lag_max_ms": self.loop_lag_max_ms,
             "policy": cache.policy.name,
             "policy_state": cache.policy.to_json(),
             **_dump(c),

@@ -109,6 +109,7 @@ METRICS: tuple[Sample, ...] = (
     _c("counters.control_errors", "control_errors", "Control writes rejected with EINVAL"),
     _g("hit_ratio", "hit_ratio", "Hits over opens since the mount"),
     _g("uptime_s", "uptime_seconds", "Seconds since the mount"),
+    _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),
     _c("source.bytes_read", "bytes_from_source", "Bytes read from the source tree"),
     _c("source.timeouts", "source_timeouts", "Source calls that timed out"),
     _c("source.errors", "source_errors", "Source calls that failed"),
