@@ -315,11 +315,13 @@ class Service:
         with _refusing():
             return self.sampling.ingest(message)
 
-    def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
+    async def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
-        members = self.cache.jobs.members(group) if group else 1
         with _refusing():
-            share = self.sampling.order(request, self._resident, group, self._job_row(pid))
+            share = await self.sampling.order_async(
+                request, self.cache.resident_keys, group, self._job_row(pid)
+            )
+        members = self.cache.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The

@@ -342,14 +342,14 @@ def test_a_group_shares_one_order_per_epoch_whatever_the_table_does(tmp_path: Pa
         for pid, name in ((me, "a"), (other.pid, "b")):
             await commands.execute(service, f"job {name} group=sweep".encode(), pid)
         for epoch in range(2):
-            first = service.order(wire.OrderRequest(epoch, 0, 1, seed=1), me)
+            first = await service.order(wire.OrderRequest(epoch, 0, 1, seed=1), me)
             # Losses arrive between the members' requests: the table changes, not the order.
             losses = wire.encode_losses(np.arange(64), np.linspace(0, 5, 64, dtype=np.float32))
             service.ingest_losses(losses)
-            second = service.order(wire.OrderRequest(epoch, 0, 1, seed=2), other.pid)
+            second = await service.order(wire.OrderRequest(epoch, 0, 1, seed=2), other.pid)
             assert np.array_equal(first, second)
         # Outside the group, another seed gives another order.
-        alone = service.order(wire.OrderRequest(1, 0, 1, seed=2))
+        alone = await service.order(wire.OrderRequest(1, 0, 1, seed=2))
         assert not np.array_equal(alone, second)
         jobs = {j.id: j.group for j in service.stats().jobs}
         assert jobs == {"a": "sweep", "b": "sweep"}

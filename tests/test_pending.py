@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from shadefs.cache.coordinator import Cache
-from shadefs.sampling import wire
+from shadefs.sampling import registry, wire
 from shadefs.sampling.jobs import JobTable, ProcInfo
 from shadefs.sampling.pending import PendingReads
-from shadefs.sampling.registry import Sampling
+from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.stats import Metrics
 
 SIZE = 1000
@@ -97,6 +99,56 @@ def test_an_order_counts_every_entry_of_every_rank() -> None:
     other = s.order(wire.OrderRequest(1, 1, 2, 7), lambda keys: resident)
     assert _total(s.pending) == len(share) + len(other) == n  # built once, counted once
     assert int(s.pending.left[:10].sum()) == 20  # each resident sample is read twice
+
+
+def test_orders_are_built_off_the_loop_once_and_only_for_the_current_dataset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = Sampling()
+    n = 50
+    release = threading.Event()
+    builds: list[int] = []
+    build = registry._build
+
+    def slow_build(*args: object) -> np.ndarray:
+        builds.append(1)
+        release.wait(10)  # until the event loop has done what the test does meanwhile
+        return build(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "_build", slow_build)
+
+    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(100, 100 + len(paths), dtype=np.uint64), np.full(len(paths), SIZE)
+
+    async def run() -> None:
+        await s.register([f"f{i}" for i in range(n)], resolve)
+        shares: list[np.ndarray] = []
+
+        async def ask(rank: int) -> None:
+            request = wire.OrderRequest(1, rank, 2, 7)
+            shares.append(await s.order_async(request, lambda: np.zeros(0, np.uint64)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, 0)
+            nursery.start_soon(ask, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert s.describe().samples == n  # the loop answers while the order is built
+            release.set()
+        assert len(builds) == 1 and sorted(np.concatenate(shares).tolist()) == list(range(n))
+        # A dataset registered anew while an order is built: that order is not installed.
+        release.clear()
+
+        async def stale() -> None:
+            with pytest.raises(SamplingError, match="registered anew"):
+                await s.order_async(wire.OrderRequest(2, 0, 1, 7), lambda: np.zeros(0, np.uint64))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stale)
+            await trio.testing.wait_all_tasks_blocked()
+            await s.register([f"g{i}" for i in range(n)], resolve)
+            release.set()
+
+    trio.run(run)
 
 
 def _epoch(cache: Cache, source: _Source, order: list[int]) -> list[bool]:

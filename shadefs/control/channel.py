@@ -86,7 +86,7 @@ class Channel:
             handle.data = wire.encode_order_response(msg.epoch, reply)
             return None
         request = wire.decode_order_request(message)
-        share = self.service.order(request, handle.pid)
+        share = await self.service.order(request, handle.pid)
         handle.data = wire.encode_order_response(request.epoch, share)
         return None
 
