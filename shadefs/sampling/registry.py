@@ -187,7 +187,11 @@ class Sampling:
     def sample_of(self, key: int) -> int:
         """The sample id of cache key `key`, or -1 when it is not a registered sample."""
         sk = self._sorted_keys
-        i = int(np.searchsorted(sk, key))
+        if key < 0:
+            return -1
+        # A Python int against uint64 keys makes numpy convert the whole array (O(n) per
+        # call: 4 ms at 1.28 M); the same dtype is a binary search.
+        i = int(np.searchsorted(sk, np.uint64(key)))
         if i < len(sk) and int(sk[i]) == key:
             return int(self._sorted_ids[i])
         return -1
