@@ -335,7 +335,11 @@ class Service:
                 plan.readers = members
                 return share
             self._plan_epochs[name] = request.epoch
-            plan = Plan(name, s.keys[share], s.paths.take(share), s.sizes[share])
+            # Sorting a plan of a whole epoch takes long: a worker thread does it.
+            keys, paths, sizes = s.keys[share], s.paths.take(share), s.sizes[share]
+            plan = await trio.to_thread.run_sync(Plan, name, keys, paths, sizes)
+            if self._plan_epochs.get(name) != request.epoch:
+                return share  # a later epoch's plan was installed meanwhile
             plan.readers = members
             self.prefetcher.add_plan(plan)
         return share

@@ -98,13 +98,10 @@ class JobReads:
         self._rank[:n] = -1
         live = np.flatnonzero(self.live[:n])
         rank = self.want[live].astype(np.int64) * (len(rows) + 1) + self.done[live]
-        order = np.argsort(rank, kind="stable")
         self._rank[live] = rank
-        for r, slot in zip(rank[order].tolist(), live[order].tolist(), strict=True):
-            bucket = self._buckets.get(r)
-            if bucket is None:
-                bucket = self._buckets[r] = {}
-            bucket[slot] = None
+        # One dict per distinct rank (a handful), filled at C speed.
+        for r in np.unique(rank).tolist():
+            self._buckets[r] = dict.fromkeys(live[rank == r].tolist())
 
     # --- entries ------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import chain
 
+import numpy as np
+
 from shadefs.cache.policies.base import Policy, take_prefix
 from shadefs.cache.policies.demand import JobReads
 from shadefs.stats import PolicyState
@@ -146,8 +148,9 @@ class EpochPolicy(Policy):
         reads = self.reads
         reads.epoch[row] = self.epoch
         reads.explicit[row] = self._explicit
-        for key, e in self._last.items():
-            reads.last[row, reads.slot_of[key]] = e
+        slot_of = reads.slot_of
+        slots = np.fromiter((slot_of[k] for k in self._last), np.int64, len(self._last))
+        reads.last[row, slots] = np.fromiter(self._last.values(), np.int64, len(self._last))
         reads.recount()
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
