@@ -268,6 +268,9 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
+    # Misses a known order reads again that the cache could not keep (members of a sweep
+    # group further apart than the cache bridges): each will be fetched again.
+    unbridged: int = 0
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0
     node: int = -1

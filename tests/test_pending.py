@@ -273,5 +273,41 @@ def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy:
 
     trio.run(run)
     # The second member read all of epoch 0 from what the first fetched.
-    assert follower_misses == [0]
+    assert follower_misses == [0] and pending.unbridged == 0
     assert not pending.left.any()
+
+
+def test_members_further_apart_than_the_cache_bridges_are_counted() -> None:
+    # Room for 5 files, the second member 8 files behind: the first member's misses that
+    # the second still reads cannot all stay, and the stats say so.
+    n, lag = 30, 8
+    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
+    pending.reset(n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=5 * SIZE,
+        max_entry=SIZE,
+        policy="shade",
+        score_of=lambda key: 0.5,
+        pending=pending,
+        jobs=JobTable(proc=ProcInfo("/nonexistent")),
+    )
+    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    order = np.random.default_rng(4).permutation(n)
+    for row in rows:
+        pending.expect(0, order, row)
+
+    async def run() -> None:
+        for t in range(n + lag):
+            for member in (0, 1):
+                i = t - member * lag
+                if 0 <= i < n:
+                    key = int(order[i])
+                    data = await cache.open(key, b"/%d" % key, source.stat(key), pid=member + 1)
+                    assert data is not None
+                    cache.unpin(data)
+
+    trio.run(run)
+    assert pending.unbridged > 0 and len(source.fetches) > n

@@ -47,7 +47,7 @@ BLOCKS = {
 }  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",
-    "last_report", "table", "nodes", "node", "owned",
+    "last_report", "table", "nodes", "node", "owned", "unbridged",
 }  # fmt: skip
 TABLE = {
     "samples", "scored", "scored_fraction", "mean_score", "mean_score_scored", "max_seen",

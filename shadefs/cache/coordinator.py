@@ -106,7 +106,7 @@ class Cache:
         self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
         self._owns = owns
-        self.pending = pending
+        self.pending = pending if pending is not None else PendingReads(lambda key: -1)
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -176,8 +176,7 @@ class Cache:
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
-        if self.pending is not None:
-            self.pending.read(key, reader.row)  # before the policies hear of the read
+        self.pending.read(key, reader.row)  # before the policies hear of the read
         reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
         job = reader.row
         ssd, prefetcher = self.ssd, self.prefetcher
@@ -307,6 +306,7 @@ class Cache:
         victims = self.policy.admit(key, size, self.capacity - self.used)
         if victims is None:
             self.refused += 1
+            self.pending.refused(key)  # a read to come that the cache cannot bridge
             return
         for victim in victims:
             self._remove(victim)
@@ -354,7 +354,7 @@ class Cache:
             by_file(score_of) if score_of is not None else None,
             by_file(pf.next_use) if pf is not None else None,
             self._owns,
-            self.pending.pending if self.pending is not None else None,
+            self.pending.pending,
         )
 
     def _policies(self) -> list[Policy]:
@@ -386,8 +386,7 @@ class Cache:
             self._job_ended(row)
 
     def _job_ended(self, row: int) -> None:
-        if self.pending is not None:  # what it had still to read, it reads no more
-            self.pending.drop(row)
+        self.pending.drop(row)  # what it had still to read, it reads no more
         for policy in self._policies():
             policy.job_ended(row)
 

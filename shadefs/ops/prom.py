@@ -193,6 +193,11 @@ METRICS: tuple[Sample, ...] = (
     _g("sampler.replay", "sampler_replay", "Replay factor r of the PADS order"),
     _c("sampler.orders_served", "sampler_orders_served", "Epoch orders handed to samplers"),
     _c("sampler.losses_ingested", "sampler_losses_ingested", "Per-sample losses received"),
+    _c(
+        "sampler.unbridged",
+        "sampler_unbridged",
+        "Misses with reads to come the cache could not keep (jobs too far apart)",
+    ),
     _c("sampler.reports", "sampler_reports", "End-of-epoch reports received"),
     _g("sampler.nodes", "sampler_nodes", "Nodes of the multi-node job (0: none)"),
     _g("sampler.node", "sampler_node", "This node's index in the multi-node job (-1: none)"),

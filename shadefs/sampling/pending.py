@@ -45,6 +45,10 @@ class PendingReads:
         self._mine: dict[int, np.ndarray] = {}  # job row (or _POOL) -> its counts
         self._epoch_of: dict[int, int] = {}  # job row -> the epoch its counts are of
         self._counted: dict[int, set[tuple[int, int]]] = {}  # job -> (world, rank) counted
+        # Misses with reads to come that the cache refused: the jobs reading the known
+        # orders (a sweep group's members) are further apart than the cache can bridge,
+        # and those reads will fetch the file again (stats.json `sampler.unbridged`).
+        self.unbridged = 0
 
     def reset(self, n: int) -> None:
         """A new dataset of `n` samples: nothing is pending."""
@@ -125,3 +129,8 @@ class PendingReads:
             return False
         sid = self.sample_of(key)
         return sid >= 0 and bool(self.left[sid] > 0)
+
+    def refused(self, key: int) -> None:
+        """The cache refused to admit `key`: counted when a known order reads it again."""
+        if self.pending(key):
+            self.unbridged += 1

@@ -379,6 +379,7 @@ class Sampling:
             reports=self.reports,
             last_report=dict(self.last_report),
             table=self.table.describe() if self.n else None,
+            unbridged=self.pending.unbridged,
             **self._partition_stats(),
         )
 
