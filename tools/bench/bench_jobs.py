@@ -201,7 +201,7 @@ def group_once(
             )
         print(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
-            f"{took:.1f} s, "
+            f"{took:.1f} s, unbridged {s['sampler'].get('unbridged')}, "
             f"hit ratio {s['hit_ratio']:.3f}"
         )
     print(f"{args.jobs} jobs / 1 job: source bytes {fetched[args.jobs] / fetched[1]:.2f}x")

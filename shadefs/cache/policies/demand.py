@@ -70,15 +70,17 @@ class JobReads:
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(rows - old, arr.dtype)]))
 
-    def join(self, row: int) -> None:
-        """Job `row` starts: epoch 0, and it wants every resident entry."""
+    def join(self, row: int, recount: bool = True) -> None:
+        """Job `row` starts: epoch 0, and it wants every resident entry (the counts follow
+        unless the caller recounts them itself)."""
         if row >= len(self.epoch):
             self._grow_rows(row)
         self.epoch[row] = 0
         self.explicit[row] = False
         self.last[row, : self._n] = -1
         self.active[row] = None
-        self.recount()
+        if recount:
+            self.recount()
 
     def leave(self, row: int) -> None:
         """Job `row` is over: it wants nothing any more (its row may be reused)."""

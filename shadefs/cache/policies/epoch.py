@@ -127,8 +127,8 @@ class EpochPolicy(Policy):
                 # A second job: bring the first one's row up to date (hits of one job
                 # alone only touch the single-job state, to keep the hit path cheap).
                 (first,) = reads.active
-                self._sync_row(first)
-            reads.join(job)
+                self._sync_row(first, recount=False)  # join recounts
+            reads.join(job, recount=len(reads.active) > 0)
             if len(reads.active) == 1:
                 # The first job of an empty policy (or the next after one ended alone).
                 self._sync_row(job)
@@ -143,15 +143,17 @@ class EpochPolicy(Policy):
             return
         self._solo_hit(key)
 
-    def _sync_row(self, row: int) -> None:
-        """Job `row` is the one job: its row takes the single-job state of resident keys."""
+    def _sync_row(self, row: int, recount: bool = True) -> None:
+        """Job `row` is the one job: its row takes the single-job state of resident keys
+        (and the demand counts follow unless the caller recounts them itself)."""
         reads = self.reads
         reads.epoch[row] = self.epoch
         reads.explicit[row] = self._explicit
         slot_of = reads.slot_of
         slots = np.fromiter((slot_of[k] for k in self._last), np.int64, len(self._last))
         reads.last[row, slots] = np.fromiter(self._last.values(), np.int64, len(self._last))
-        reads.recount()
+        if recount:
+            reads.recount()
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         rows = list(self.reads.active) if job is None else [job]
