@@ -350,10 +350,10 @@ class Service:
             raise Rejected(f"residency asked for {n} samples, but {s.n} are registered")
         return self._resident(s.keys)
 
-    def install_order(self, msg: NodeOrder) -> np.ndarray:
+    async def install_order(self, msg: NodeOrder) -> np.ndarray:
         before = self.sampling.partition
         with _refusing():
-            order = self.sampling.install(msg)
+            order = await self.sampling.install_async(msg)
         after = self.sampling.partition
         if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
             for policy in (self.cache.policy, self.cache.ssd.policy if self.cache.ssd else None):

@@ -268,8 +268,8 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
-    # Misses a known order reads again that the cache could not keep (members of a sweep
-    # group further apart than the cache bridges): each will be fetched again.
+    # Admissions refused for a sample a known order still reads (the cache is full of such
+    # samples: members of a sweep group further apart than it bridges, say).
     unbridged: int = 0
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0

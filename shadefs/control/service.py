@@ -155,6 +155,6 @@ class ControlService(Protocol):
         are registered)."""
         ...
 
-    def install_order(self, msg: NodeOrder) -> np.ndarray:
+    async def install_order(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch (wire_nodes.py); returns the global order."""
         ...

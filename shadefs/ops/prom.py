@@ -196,7 +196,7 @@ METRICS: tuple[Sample, ...] = (
     _c(
         "sampler.unbridged",
         "sampler_unbridged",
-        "Misses with reads to come the cache could not keep (jobs too far apart)",
+        "Admissions refused for samples a known order still reads",
     ),
     _c("sampler.reports", "sampler_reports", "End-of-epoch reports received"),
     _g("sampler.nodes", "sampler_nodes", "Nodes of the multi-node job (0: none)"),

@@ -45,9 +45,9 @@ class PendingReads:
         self._mine: dict[int, np.ndarray] = {}  # job row (or _POOL) -> its counts
         self._epoch_of: dict[int, int] = {}  # job row -> the epoch its counts are of
         self._counted: dict[int, set[tuple[int, int]]] = {}  # job -> (world, rank) counted
-        # Misses with reads to come that the cache refused: the jobs reading the known
-        # orders (a sweep group's members) are further apart than the cache can bridge,
-        # and those reads will fetch the file again (stats.json `sampler.unbridged`).
+        # Admissions the cache refused for a sample with reads to come: the cache is full
+        # of such samples (a sweep group's members further apart than it can bridge), and
+        # unless staging serves them, those reads fetch the file again (`sampler.unbridged`).
         self.unbridged = 0
 
     def reset(self, n: int) -> None:

@@ -123,6 +123,22 @@ def _build(scores: np.ndarray, resident: np.ndarray, params: pads.OrderParams) -
     return full
 
 
+def _place(
+    scores: np.ndarray, replay: float, n: int, msg: NodeOrder
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """A multi-node epoch's (global order, owner of each sample, every rank's share), from
+    the message alone and `scores` (in any thread: it reads only its arguments)."""
+    order = msg.order
+    if not len(order):
+        params = pads.OrderParams(
+            epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=replay
+        )
+        union = np.any(msg.resident, axis=0)
+        order = pads.build_global_order(scores, np.asarray(union), params)
+    owner = placement.owners(msg.node_ids, n)
+    return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+
+
 class Sampling:
     """The registered dataset, its importance table, and the epoch orders handed out."""
 
@@ -332,22 +348,31 @@ class Sampling:
     def install(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch: the global order (built here from the union of
         every node's residency when the message carries none), each rank's locality-aware
-        share of it, and the ownership of the samples. Returns the global order."""
+        share of it, and the ownership of the samples. Returns the global order. Computes
+        in the caller's thread: the daemon uses `install_async`."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        return self._adopt(msg, *_place(self.table.scores, self.r, self.n, msg))
+
+    async def install_async(self, msg: NodeOrder) -> np.ndarray:
+        """`install`, with the order, the ownership and the shares computed in a worker
+        thread (a copy of the scores); adopted only if the dataset is still the same."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        generation = self._generation
+        scores = self.table.scores.copy()
+        placed = await trio.to_thread.run_sync(_place, scores, self.r, self.n, msg)
+        if generation != self._generation:
+            raise SamplingError("the dataset was registered anew while its shares were placed")
+        return self._adopt(msg, *placed)
+
+    def _adopt(
+        self, msg: NodeOrder, order: np.ndarray, owner: np.ndarray, shares: list[np.ndarray]
+    ) -> np.ndarray:
         self.begin_epoch(msg.epoch)
-        order = msg.order
-        if not len(order):
-            params = pads.OrderParams(
-                epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=self.r
-            )
-            union = np.any(msg.resident, axis=0)
-            order = pads.build_global_order(self.table.scores, np.asarray(union), params)
-        owner = placement.owners(msg.node_ids, self.n)
         self.partition = (owner, msg.me)
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
-        shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
         mine = [
             share
             for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
