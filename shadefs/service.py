@@ -39,6 +39,7 @@ from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
+from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
@@ -108,6 +109,7 @@ class Service:
             window=window,
             passthrough_above=opts.passthrough_above,
         )
+        self.loop_lag = LoopLag()
         self.control = Control(self, self.stats, self.metrics)
         self.operations = Operations(
             self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
@@ -165,6 +167,7 @@ class Service:
         self.cache.start(nursery)
         self._nursery = nursery
         nursery.start_soon(self.speculator.run)
+        nursery.start_soon(self.loop_lag.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 
@@ -188,12 +191,13 @@ class Service:
             prefetch=pf.describe() if pf is not None else None,
             jobs=self.jobs(),
             blocks=blocks.describe() if blocks is not None else None,
+            loop_lag_max_ms=self.loop_lag.take(),
         )
 
     def jobs(self) -> tuple[JobStats, ...]:
-        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy."""
+        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy.
+        Reading them changes nothing: the cache's sweep ends idle jobs."""
         table = self.cache.jobs
-        self.cache.expire_jobs(time.monotonic())
         return tuple(table.describe(self.cache.policy.job_epochs()))
 
     # --- ControlService: what can be asked for -------------------------------------------
@@ -314,11 +318,13 @@ class Service:
         with _refusing():
             return self.sampling.ingest(message)
 
-    def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
+    async def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
-        members = self.cache.jobs.members(group) if group else 1
         with _refusing():
-            share = self.sampling.order(request, self._resident, group, members)
+            share = await self.sampling.order_async(
+                request, self.cache.resident_keys, group, self._job_row(pid)
+            )
+        members = self.cache.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The
@@ -332,7 +338,11 @@ class Service:
                 plan.readers = members
                 return share
             self._plan_epochs[name] = request.epoch
-            plan = Plan(name, s.keys[share], s.paths.take(share), s.sizes[share])
+            # Sorting a plan of a whole epoch takes long: a worker thread does it.
+            keys, paths, sizes = s.keys[share], s.paths.take(share), s.sizes[share]
+            plan = await trio.to_thread.run_sync(Plan, name, keys, paths, sizes)
+            if self._plan_epochs.get(name) != request.epoch:
+                return share  # a later epoch's plan was installed meanwhile
             plan.readers = members
             self.prefetcher.add_plan(plan)
         return share
@@ -343,10 +353,10 @@ class Service:
             raise Rejected(f"residency asked for {n} samples, but {s.n} are registered")
         return self._resident(s.keys)
 
-    def install_order(self, msg: NodeOrder) -> np.ndarray:
+    async def install_order(self, msg: NodeOrder) -> np.ndarray:
         before = self.sampling.partition
         with _refusing():
-            order = self.sampling.install(msg)
+            order = await self.sampling.install_async(msg)
         after = self.sampling.partition
         if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
             for policy in (self.cache.policy, self.cache.ssd.policy if self.cache.ssd else None):

@@ -268,6 +268,9 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
+    # Admissions refused for a sample a known order still reads (the cache is full of such
+    # samples: members of a sweep group further apart than it bridges, say).
+    unbridged: int = 0
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0
     node: int = -1
@@ -317,6 +320,7 @@ class Stats:
     prefetch: PrefetchStats | None = None
     jobs: tuple[JobStats, ...] = ()
     blocks: BlockStats | None = None
+    loop_lag_max_ms: float = 0.0  # the worst delay of a 10 ms loop timer since the last read
 
     @property
     def opens(self) -> int:
@@ -340,6 +344,7 @@ class Stats:
             "mountpoint": self.mountpoint,
             "source": src.root,
             "uptime_s": self.uptime_s,
+            "loop_lag_max_ms": self.loop_lag_max_ms,
             "policy": cache.policy.name,
             "policy_state": cache.policy.to_json(),
             **_dump(c),

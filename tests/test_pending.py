@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from shadefs.cache.coordinator import Cache
-from shadefs.sampling import wire
+from shadefs.sampling import registry, wire
+from shadefs.sampling.jobs import JobTable, ProcInfo
 from shadefs.sampling.pending import PendingReads
-from shadefs.sampling.registry import Sampling
+from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.stats import Metrics
 
 SIZE = 1000
@@ -51,12 +54,34 @@ def test_pending_reads_count_down_and_a_later_epoch_starts_afresh() -> None:
     pending.read(10)  # a read beyond the order's does not go negative
     assert not pending.pending(10) and _total(pending) == 1
     assert not pending.pending(99) and not pending.pending(-5)  # outside the dataset
-    pending.expect(1, np.array([1]))  # another job's order of the same epoch adds
+    pending.expect(1, np.array([0, 0, 3]))  # the same share again: counted once
+    assert _total(pending) == 1
+    pending.expect(1, np.array([1]), share=(2, 1))  # another rank's share of the epoch adds
     assert _total(pending) == 2
     pending.expect(2, np.array([4]))  # a later epoch replaces
     assert _total(pending) == 1 and pending.pending(14) and not pending.pending(13)
-    pending.expect(3, np.array([1, 2]), readers=3)  # a sweep group's members read it each
-    assert _total(pending) == 6 and int(pending.left[1]) == 3
+
+
+def test_each_job_counts_its_own_reads_and_epochs() -> None:
+    # Two members of a sweep group read one order each, at their own pace: the one that
+    # starts the next epoch first keeps what the other still reads of this one.
+    pending = PendingReads(lambda key: key)
+    pending.reset(4)
+    pending.expect(0, np.array([0, 1, 2]), job=0)
+    pending.expect(0, np.array([0, 1, 2]), job=1)
+    assert int(pending.left[0]) == 2
+    pending.read(0, 0)
+    pending.read(0, 0)  # job 0 reads no sample 0 beyond its own order's
+    assert int(pending.left[0]) == 1 and pending.pending(0)
+    pending.expect(1, np.array([3]), job=0)  # job 0 moves on; 1 and 2 it skipped
+    assert pending.pending(0) and pending.pending(3)
+    assert [int(x) for x in pending.left] == [1, 1, 1, 1]
+    pending.expect(0, np.array([0, 1, 2]), job=0)  # a stale request counts nothing
+    assert int(pending.left.sum()) == 4
+    pending.read(0, 1)
+    assert not pending.pending(0)
+    pending.drop(1)  # job 1 ended
+    assert [int(x) for x in pending.left] == [0, 0, 0, 1]
 
 
 def test_an_order_counts_every_entry_of_every_rank() -> None:
@@ -74,6 +99,56 @@ def test_an_order_counts_every_entry_of_every_rank() -> None:
     other = s.order(wire.OrderRequest(1, 1, 2, 7), lambda keys: resident)
     assert _total(s.pending) == len(share) + len(other) == n  # built once, counted once
     assert int(s.pending.left[:10].sum()) == 20  # each resident sample is read twice
+
+
+def test_orders_are_built_off_the_loop_once_and_only_for_the_current_dataset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = Sampling()
+    n = 50
+    release = threading.Event()
+    builds: list[int] = []
+    build = registry._build
+
+    def slow_build(*args: object) -> np.ndarray:
+        builds.append(1)
+        release.wait(10)  # until the event loop has done what the test does meanwhile
+        return build(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "_build", slow_build)
+
+    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(100, 100 + len(paths), dtype=np.uint64), np.full(len(paths), SIZE)
+
+    async def run() -> None:
+        await s.register([f"f{i}" for i in range(n)], resolve)
+        shares: list[np.ndarray] = []
+
+        async def ask(rank: int) -> None:
+            request = wire.OrderRequest(1, rank, 2, 7)
+            shares.append(await s.order_async(request, lambda: np.zeros(0, np.uint64)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, 0)
+            nursery.start_soon(ask, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert s.describe().samples == n  # the loop answers while the order is built
+            release.set()
+        assert len(builds) == 1 and sorted(np.concatenate(shares).tolist()) == list(range(n))
+        # A dataset registered anew while an order is built: that order is not installed.
+        release.clear()
+
+        async def stale() -> None:
+            with pytest.raises(SamplingError, match="registered anew"):
+                await s.order_async(wire.OrderRequest(2, 0, 1, 7), lambda: np.zeros(0, np.uint64))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stale)
+            await trio.testing.wait_all_tasks_blocked()
+            await s.register([f"g{i}" for i in range(n)], resolve)
+            release.set()
+
+    trio.run(run)
 
 
 def _epoch(cache: Cache, source: _Source, order: list[int]) -> list[bool]:
@@ -153,3 +228,86 @@ def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
     assert cache.describe().policy.kept == 0
     _epoch(cache, source, [3])
     assert 3 in cache.entries  # more important, and nothing is kept any more
+
+
+@pytest.mark.parametrize("policy", ["shade", "epoch"])
+def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy: str) -> None:
+    # Two members of one group read one order per epoch, the second 4 files behind the
+    # first: room for 10 files bridges that. The first starts epoch 1 while the second
+    # still reads epoch 0, which must keep what the second has still to read.
+    n, lag = 40, 4
+    pending = PendingReads(lambda key: key if 0 <= key < 2 * n else -1)
+    pending.reset(2 * n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=10 * SIZE,
+        max_entry=SIZE,
+        policy=policy,
+        score_of=lambda key: 0.5,
+        pending=pending,
+        jobs=JobTable(proc=ProcInfo("/nonexistent")),
+    )
+    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    rng = np.random.default_rng(3)
+    orders = [rng.permutation(n), n + rng.permutation(n)]  # epoch 1 reads other files
+    follower_misses: list[int] = []
+
+    async def run() -> None:
+        for t in range(2 * n + lag):
+            for member, row in enumerate(rows):
+                i = t - member * lag
+                if i < 0 or i >= 2 * n:
+                    continue
+                epoch, at = divmod(i, n)
+                if at == 0:
+                    pending.expect(epoch, orders[epoch], row)
+                    cache.begin_epoch(epoch, row)
+                key = int(orders[epoch][at])
+                data = await cache.open(key, b"/%d" % key, source.stat(key), pid=member + 1)
+                assert data is not None
+                cache.unpin(data)
+                if member == 1 and i == n - 1:
+                    follower_misses.append(cache.jobs.jobs[row].misses)
+
+    trio.run(run)
+    # The second member read all of epoch 0 from what the first fetched.
+    assert follower_misses == [0] and pending.unbridged == 0
+    assert not pending.left.any()
+
+
+def test_members_further_apart_than_the_cache_bridges_are_counted() -> None:
+    # Room for 5 files, the second member 8 files behind: the first member's misses that
+    # the second still reads cannot all stay, and the stats say so.
+    n, lag = 30, 8
+    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
+    pending.reset(n)
+    source = _Source()
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=5 * SIZE,
+        max_entry=SIZE,
+        policy="shade",
+        score_of=lambda key: 0.5,
+        pending=pending,
+        jobs=JobTable(proc=ProcInfo("/nonexistent")),
+    )
+    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    order = np.random.default_rng(4).permutation(n)
+    for row in rows:
+        pending.expect(0, order, row)
+
+    async def run() -> None:
+        for t in range(n + lag):
+            for member in (0, 1):
+                i = t - member * lag
+                if 0 <= i < n:
+                    key = int(order[i])
+                    data = await cache.open(key, b"/%d" % key, source.stat(key), pid=member + 1)
+                    assert data is not None
+                    cache.unpin(data)
+
+    trio.run(run)
+    assert pending.unbridged > 0 and len(source.fetches) > n

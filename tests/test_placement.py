@@ -3,15 +3,19 @@ ownership-aware admission (no mount; the gloo tests are in test_nodes_mount.py).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
 from shadefs.cache.policies import EpochPolicy, Owned, ShadePolicy, make_policy
-from shadefs.sampling import pads, placement, wire_nodes
+from shadefs.sampling import pads, placement, registry, wire_nodes
 from shadefs.sampling.importance import ImportanceTable
-from shadefs.sampling.registry import Sampling
+from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import (
     OrderRequest,
     WireError,
@@ -199,3 +203,38 @@ def test_owned_admits_guests_only_into_free_room_and_evicts_them_first() -> None
     # Without guests (no multi-node job) a hit calls the inner policy directly.
     assert epoch.accessed == epoch.inner.accessed
     assert epoch.epoch == epoch.inner.epoch  # policy state reads through
+
+
+def test_install_async_places_off_the_loop_and_only_for_the_same_dataset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = 40
+    s = _installed(n)
+    resident = np.zeros((2, n), dtype=bool)
+    bits = [np.packbits(r).tobytes() for r in resident]
+    msg = wire_nodes.decode_node_order(
+        wire_nodes.encode_node_order(2, 7, 1, IDS[:2], [0, 1], bits, n), n
+    )
+    order = trio.run(s.install_async, msg)
+    assert sorted(order.tolist()) == list(range(n)) and s.partition is not None
+    release = threading.Event()
+    place = registry._place
+
+    def slow_place(*args: Any) -> Any:
+        release.wait(10)  # until the loop has registered another dataset
+        return place(*args)
+
+    monkeypatch.setattr(registry, "_place", slow_place)
+
+    async def registered_meanwhile() -> None:
+        async def install() -> None:
+            with pytest.raises(SamplingError, match="registered anew"):
+                await s.install_async(msg)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(install)
+            await trio.testing.wait_all_tasks_blocked()
+            s._generation += 1  # what a registration does
+            release.set()
+
+    trio.run(registered_meanwhile)

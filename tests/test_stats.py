@@ -6,7 +6,12 @@ import ast
 import json
 from pathlib import Path
 
+import pytest
+import trio
+import trio.testing
+
 from shadefs import stats as stats_module
+from shadefs.ops.looplag import LoopLag
 from shadefs.ops.stats_text import render_text
 from shadefs.stats import Stats
 from tests.conftest import make_tree
@@ -21,7 +26,7 @@ TOP = {
     "passthrough_opens", "fetches_shared", "blocked_seconds", "handles", "revalidations",
     "changed_files", "inodes_known", "directories_listed", "source_healthy", "source_timeouts",
     "source_errors", "control_errors", "sampler", "jobs", "source_fetches",
-    "source_fetch_bytes", "refetches", "refetch_bytes",
+    "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
 RAM = {"bytes", "capacity", "entries", "hits"}
@@ -42,7 +47,7 @@ BLOCKS = {
 }  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",
-    "last_report", "table", "nodes", "node", "owned",
+    "last_report", "table", "nodes", "node", "owned", "unbridged",
 }  # fmt: skip
 TABLE = {
     "samples", "scored", "scored_fraction", "mean_score", "mean_score_scored", "max_seen",
@@ -125,3 +130,21 @@ def test_the_schema_imports_no_part() -> None:
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
     }
     assert {m for m in imported if m.startswith("shadefs")} == set()
+
+
+def test_loop_lag_is_the_worst_timer_delay_since_the_last_take() -> None:
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    lag = LoopLag()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lag.run)
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(0.05)  # the loop was held: the 10 ms timer fires 40 ms late
+            await trio.sleep(0.02)
+            assert lag.take() == pytest.approx(40.0, abs=1.0)
+            await trio.sleep(0.2)  # on time since then
+            assert lag.take() == 0.0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)

@@ -183,6 +183,19 @@ def test_parts_import_only_downstream() -> None:
     )
 
 
+# The prefetch part (a known order's plans, the prefetcher, speculation) is told what to fetch
+# and asks the cache through the callables and Protocols it is handed: it never imports the
+# coordinator, which owns it.
+PREFETCH_PART = ("shadefs.cache.plans", "shadefs.cache.prefetch", "shadefs.cache.speculate")
+
+
+def test_the_prefetch_part_never_imports_the_coordinator() -> None:
+    graph = import_graph()
+    assert all(module in graph for module in PREFETCH_PART)
+    wrong = sorted(m for m in PREFETCH_PART if "shadefs.cache.coordinator" in graph[m])
+    assert not wrong, f"the prefetch part imports the coordinator: {wrong}"
+
+
 def test_no_module_over_the_line_limit() -> None:
     long = {
         str(path.relative_to(PACKAGE.parent)): n

@@ -94,11 +94,11 @@ class Cache:
         pending: PendingReads | None = None,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
-        key's importance to `shade`, and `pending` the reads the epoch's known orders still
-        make (each open is one; `shade` keeps such entries); `owns` a multi-node job's
-        ownership (policies/owned.py). `ssd` is an SSD tier's store, whose restored entries
-        get keys from `key_of_ino`. `handle_limit` bounds what open handles keep alive
-        outside the RAM tier (None: the RAM budget). `jobs` tells the readers' jobs apart."""
+        key's importance to `shade`, `pending` the reads the known orders still make (each
+        job's open is one; policies keep such entries), `owns` a multi-node job's ownership.
+        `ssd` is an SSD tier's store, whose restored entries get keys from `key_of_ino`.
+        `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
+        RAM budget). `jobs` tells the readers' jobs apart."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -106,7 +106,7 @@ class Cache:
         self.whole_max = 0  # refresh_limits()
         self._score_of = score_of
         self._owns = owns
-        self.pending = pending
+        self.pending = pending if pending is not None else PendingReads(lambda key: -1)
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -153,16 +153,14 @@ class Cache:
 
     @property
     def max_entry(self) -> int:
-        # By default a single file may take an eighth of the budget: larger ones would
-        # push out many small samples for one read (and pass through instead).
+        # By default a file may take an eighth of the budget (larger ones pass through).
         if self._max_entry is not None:
             return min(self._max_entry, self.capacity)
         return min(self.capacity // 8, 256 << 20)
 
     def refresh_limits(self) -> None:
-        """Recompute `whole_max`, the largest file some tier caches whole (larger ones are
-        cached in blocks); after a budget changes. A plain attribute, because every open
-        compares the file's size with it."""
+        """Recompute `whole_max`, the largest file some tier caches whole (larger ones go in
+        blocks), after a budget changes; an attribute, since every open compares with it."""
         self.whole_max = max(self.max_entry, self.ssd.max_entry if self.ssd else 0)
 
     @property
@@ -176,14 +174,12 @@ class Cache:
         is the reading thread (its job is looked up in `jobs`). The bytes returned are
         pinned for the handle (`unpin` them when it is released)."""
         sig = Signature.of(st)
-        if self.pending is not None:
-            self.pending.read(key)  # before the policies hear of the read
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
+        self.pending.read(key, reader.row)  # before the policies hear of the read
         reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
         job = reader.row
-        ssd = self.ssd
-        prefetcher = self.prefetcher
+        ssd, prefetcher = self.ssd, self.prefetcher
         if prefetcher is not None and prefetcher.plans:
             prefetcher.observe(key)
         entry = self.entries.get(key)
@@ -310,6 +306,7 @@ class Cache:
         victims = self.policy.admit(key, size, self.capacity - self.used)
         if victims is None:
             self.refused += 1
+            self.pending.refused(key)  # a read to come that the cache cannot bridge
             return
         for victim in victims:
             self._remove(victim)
@@ -356,9 +353,8 @@ class Cache:
             name,
             by_file(score_of) if score_of is not None else None,
             by_file(pf.next_use) if pf is not None else None,
-            pf.planned if pf is not None else None,
             self._owns,
-            self.pending.pending if self.pending is not None else None,
+            self.pending.pending,
         )
 
     def _policies(self) -> list[Policy]:
@@ -387,15 +383,19 @@ class Cache:
     def expire_jobs(self, now: float) -> None:
         """End the jobs idle for longer than the table's idle time, in every policy."""
         for row in self.jobs.expire(now):
-            for policy in self._policies():
-                policy.job_ended(row)
+            self._job_ended(row)
+
+    def _job_ended(self, row: int) -> None:
+        self.pending.drop(row)  # what it had still to read, it reads no more
+        for policy in self._policies():
+            policy.job_ended(row)
 
     def name_job(self, pid: int, name: str, group: str) -> int:
         """Name `pid`'s job (a sampler's registration); returns its row."""
         row, merged = self.jobs.name(pid, name, group)
+        if merged is not None:
+            self._job_ended(merged)
         for policy in self._policies():
-            if merged is not None:
-                policy.job_ended(merged)
             policy.job_named(row, self.jobs.jobs[row].group)
         return row
 

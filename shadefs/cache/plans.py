@@ -65,8 +65,10 @@ class Plan:
         return self.cursor >= len(self.keys)
 
     def _occurrences(self, key: int) -> np.ndarray:
-        lo = int(np.searchsorted(self._sorted, key, "left"))
-        hi = int(np.searchsorted(self._sorted, key, "right"))
+        # As uint64, the keys' dtype: a Python int would convert the whole array per call.
+        k = np.uint64(key) if key >= 0 else key
+        lo = int(np.searchsorted(self._sorted, k, "left"))
+        hi = int(np.searchsorted(self._sorted, k, "right"))
         return self._positions[lo:hi]
 
     def observe(self, key: int, now: float) -> bool:

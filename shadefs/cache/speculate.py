@@ -34,16 +34,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, overload
+from typing import Protocol, overload
 
 import numpy as np
 import trio
 
+from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.plans import Plan
+from shadefs.cache.prefetch import Prefetcher
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
+from shadefs.sampling.jobs import JobTable
 
-if TYPE_CHECKING:
-    from shadefs.cache.coordinator import Cache
+
+class Cache(Protocol):
+    """What speculation reads of the cache (cache/coordinator.py's Cache): the prefetch part
+    never imports the coordinator (tests/test_structure.py)."""
+
+    @property
+    def prefetcher(self) -> Prefetcher | None: ...
+    @property
+    def fetchlog(self) -> FetchLog: ...
+    @property
+    def jobs(self) -> JobTable: ...
+    def resident_keys(self) -> np.ndarray: ...
+
 
 log = logging.getLogger(__name__)
 

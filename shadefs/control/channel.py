@@ -93,14 +93,14 @@ class Channel:
             return None
         if message.startswith(wire_nodes.MAGIC_NODE_ORDER):
             msg = wire_nodes.decode_node_order(message, self.service.dataset_info().samples)
-            order = self.service.install_order(msg)
+            order = await self.service.install_order(msg)
             # The order goes back only to the node that built it: a node handed the order
             # knows it, and 10 MB back through FUSE per epoch would be for nothing.
             reply = order if len(msg.order) == 0 else order[:0]
             handle.data = wire.encode_order_response(msg.epoch, reply)
             return None
         request = wire.decode_order_request(message)
-        share = self.service.order(request, handle.pid)
+        share = await self.service.order(request, handle.pid)
         handle.data = wire.encode_order_response(request.epoch, share)
         return None
 

@@ -144,7 +144,7 @@ class ControlService(Protocol):
         number of losses."""
         ...
 
-    def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
+    async def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         """The requesting rank's share of the epoch order, as sample ids; from then on the
         daemon prefetches it for that rank. `pid`: the requesting process (its job's group
         shares one order per epoch)."""
@@ -155,6 +155,6 @@ class ControlService(Protocol):
         are registered)."""
         ...
 
-    def install_order(self, msg: NodeOrder) -> np.ndarray:
+    async def install_order(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch (wire_nodes.py); returns the global order."""
         ...

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import overload
 
 import numpy as np
+import trio
 
 from shadefs.sampling import pads, placement, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
@@ -104,6 +105,40 @@ class PathTable(Sequence[bytes]):
         return self._buf == other._buf
 
 
+def _order_key(request: wire.OrderRequest, group: str) -> tuple[str, int, int, int]:
+    """(group, epoch, seed, world size): a group's order is whichever seed came first."""
+    return (group, request.epoch, -1 if group else request.seed, request.world_size)
+
+
+def _build(scores: np.ndarray, resident: np.ndarray, params: pads.OrderParams) -> np.ndarray:
+    """A global order (in any thread: it reads only its arguments)."""
+    t0 = time.perf_counter()
+    full = pads.build_global_order(scores, resident, params)
+    log.debug(
+        "built the order of epoch %d (%d entries) in %.3f s",
+        params.epoch,
+        len(full),
+        time.perf_counter() - t0,
+    )
+    return full
+
+
+def _place(
+    scores: np.ndarray, replay: float, n: int, msg: NodeOrder
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """A multi-node epoch's (global order, owner of each sample, every rank's share), from
+    the message alone and `scores` (in any thread: it reads only its arguments)."""
+    order = msg.order
+    if not len(order):
+        params = pads.OrderParams(
+            epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=replay
+        )
+        union = np.any(msg.resident, axis=0)
+        order = pads.build_global_order(scores, np.asarray(union), params)
+    owner = placement.owners(msg.node_ids, n)
+    return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+
+
 class Sampling:
     """The registered dataset, its importance table, and the epoch orders handed out."""
 
@@ -114,7 +149,7 @@ class Sampling:
         self._sorted_keys = np.zeros(0, dtype=np.uint64)
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self.table = ImportanceTable(0)
-        self.pending = PendingReads(self.sample_of)  # reads to come this epoch, per sample
+        self.pending = PendingReads(self.sample_of)  # reads to come of the known orders
         self.replay = pads.ReplayController()
         self.fixed_replay: float | None = None
         self.epoch = 0
@@ -124,6 +159,8 @@ class Sampling:
         self.reports = 0
         self.last_report: dict[str, float] = {}
         self._orders: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
+        self._building: dict[tuple[str, int, int, int], trio.Event] = {}  # orders in flight
+        self._generation = 0  # registrations so far: a build for an older one is dropped
         # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share.
         self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
         # (owner node of each sample, this node's index) once a multi-node job installed one.
@@ -156,6 +193,7 @@ class Sampling:
         self._sorted_ids = order.astype(np.int64)
         self.table = ImportanceTable(len(paths))
         self.pending.reset(len(paths))
+        self._generation += 1
         self._orders.clear()
         self._shares.clear()
         self.partition = None
@@ -165,7 +203,11 @@ class Sampling:
     def sample_of(self, key: int) -> int:
         """The sample id of cache key `key`, or -1 when it is not a registered sample."""
         sk = self._sorted_keys
-        i = int(np.searchsorted(sk, key))
+        if key < 0:
+            return -1
+        # A Python int against uint64 keys makes numpy convert the whole array (O(n) per
+        # call: 4 ms at 1.28 M); the same dtype is a binary search.
+        i = int(np.searchsorted(sk, np.uint64(key)))
         if i < len(sk) and int(sk[i]) == key:
             return int(self._sorted_ids[i])
         return -1
@@ -224,69 +266,119 @@ class Sampling:
         request: wire.OrderRequest,
         resident: Callable[[np.ndarray], np.ndarray],
         group: str = "",
-        readers: int = 1,
+        job: int | None = None,
     ) -> np.ndarray:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
         cached. The members of sweep group `group` ("" for none) share one order, which
-        each of its `readers` members reads whole."""
+        each member reads whole. The share counts as job `job`'s reads still to come
+        (sampling/pending.py; None: the node's). Builds in the caller's thread: the
+        daemon uses `order_async`."""
+        full = self._known(request, group)
+        if full is None:
+            params = self._params(request)
+            full = _build(self.table.scores, resident(self.keys), params)
+            self._keep(_order_key(request, group), full)
+        return self._serve(request, full, job)
+
+    async def order_async(
+        self,
+        request: wire.OrderRequest,
+        cached: Callable[[], np.ndarray],
+        group: str = "",
+        job: int | None = None,
+    ) -> np.ndarray:
+        """`order`, with the build over snapshots (the scores, `cached()`: every cached key
+        as uint64) in a worker thread, so that the event loop goes on serving reads. One
+        build per order at a time (a second request waits for it), and its result is kept
+        only if the dataset is still the one it was built for."""
+        full = self._known(request, group)
+        if full is not None:
+            return self._serve(request, full, job)
+        key = _order_key(request, group)
+        building = self._building.get(key)
+        if building is not None:
+            await building.wait()
+            return await self.order_async(request, cached, group, job)
+        done = self._building[key] = trio.Event()
+        generation = self._generation
+        try:
+            scores, keys, params = self.table.scores.copy(), self.keys, self._params(request)
+            resident = cached()
+            full = await trio.to_thread.run_sync(_build, scores, np.isin(keys, resident), params)
+        finally:
+            del self._building[key]
+            done.set()
+        if generation != self._generation:
+            raise SamplingError("the dataset was registered anew while its order was built")
+        self._keep(key, full)
+        return self._serve(request, full, job)
+
+    def _known(self, request: wire.OrderRequest, group: str) -> np.ndarray | None:
+        """The epoch's order if it is built (a multi-node job's shares: the rank's share)."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         self.begin_epoch(request.epoch)
         shares = self._shares.get((request.epoch, request.seed, request.world_size))
         if shares is not None:
-            self.orders_served += 1
             return shares[request.rank]
-        seed = -1 if group else request.seed  # a group's order: whichever seed came first
-        cache_key = (group, request.epoch, seed, request.world_size)
-        full = self._orders.get(cache_key)
-        if full is None:
-            params = pads.OrderParams(
-                epoch=request.epoch,
-                seed=request.seed,
-                world_size=request.world_size,
-                rank=0,
-                replay=self.r,
-            )
-            t0 = time.perf_counter()
-            full = pads.build_global_order(self.table.scores, resident(self.keys), params)
-            log.debug(
-                "built the order of epoch %d (%d entries) in %.3f s",
-                request.epoch,
-                len(full),
-                time.perf_counter() - t0,
-            )
-            self._orders[cache_key] = full
-            self.pending.expect(request.epoch, full, readers)
-            while len(self._orders) > _ORDERS_KEPT:
-                self._orders.popitem(last=False)
+        return self._orders.get(_order_key(request, group))
+
+    def _params(self, request: wire.OrderRequest) -> pads.OrderParams:
+        return pads.OrderParams(
+            epoch=request.epoch,
+            seed=request.seed,
+            world_size=request.world_size,
+            rank=0,
+            replay=self.r,
+        )
+
+    def _keep(self, key: tuple[str, int, int, int], full: np.ndarray) -> None:
+        self._orders[key] = full
+        while len(self._orders) > _ORDERS_KEPT:
+            self._orders.popitem(last=False)
+
+    def _serve(self, request: wire.OrderRequest, full: np.ndarray, job: int | None) -> np.ndarray:
         self.orders_served += 1
-        return pads.rank_slice(full, request.world_size, request.rank)
+        if (request.epoch, request.seed, request.world_size) in self._shares:
+            return full  # a multi-node share, counted when it was installed
+        share = pads.rank_slice(full, request.world_size, request.rank)
+        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank))
+        return share
 
     def install(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch: the global order (built here from the union of
         every node's residency when the message carries none), each rank's locality-aware
-        share of it, and the ownership of the samples. Returns the global order."""
+        share of it, and the ownership of the samples. Returns the global order. Computes
+        in the caller's thread: the daemon uses `install_async`."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        return self._adopt(msg, *_place(self.table.scores, self.r, self.n, msg))
+
+    async def install_async(self, msg: NodeOrder) -> np.ndarray:
+        """`install`, with the order, the ownership and the shares computed in a worker
+        thread (a copy of the scores); adopted only if the dataset is still the same."""
+        if not self.n:
+            raise SamplingError("no dataset registered: write .shadefs/dataset first")
+        generation = self._generation
+        scores = self.table.scores.copy()
+        placed = await trio.to_thread.run_sync(_place, scores, self.r, self.n, msg)
+        if generation != self._generation:
+            raise SamplingError("the dataset was registered anew while its shares were placed")
+        return self._adopt(msg, *placed)
+
+    def _adopt(
+        self, msg: NodeOrder, order: np.ndarray, owner: np.ndarray, shares: list[np.ndarray]
+    ) -> np.ndarray:
         self.begin_epoch(msg.epoch)
-        order = msg.order
-        if not len(order):
-            params = pads.OrderParams(
-                epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=self.r
-            )
-            union = np.any(msg.resident, axis=0)
-            order = pads.build_global_order(self.table.scores, np.asarray(union), params)
-        owner = placement.owners(msg.node_ids, self.n)
         self.partition = (owner, msg.me)
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
-        shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
         mine = [
             share
             for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
             if node == msg.me
         ]
-        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0])
+        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0], None)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)
@@ -312,6 +404,7 @@ class Sampling:
             reports=self.reports,
             last_report=dict(self.last_report),
             table=self.table.describe() if self.n else None,
+            unbridged=self.pending.unbridged,
             **self._partition_stats(),
         )
 

@@ -12,7 +12,14 @@ delivered as a multiple of the dataset, against one such job alone.
 
 Part `group`: `jobs` ShadeSampler jobs of one sweep group (same seed, run concurrently,
 `--group-epochs` epochs) against one such job alone: the source bytes of the group as a
-multiple of the single job's (the claim: at most 1.1x).
+multiple of the single job's (the claim: at most 1.1x), under each of `--group-policies`.
+Like real jobs, each records a per-sample loss for every batch (its own random losses, as
+different hyperparameters give). `--stagger S` starts member i S*i seconds after the first;
+`--pace MS` makes every member sleep MS ms per batch (its training step), and `--spread F`
+makes member i's step MS*(1+F*i) (members at different speeds). The stagger and the drift
+must stay within what the cache can bridge (the files read between the first member and
+the last must fit), or the members refetch what the others read: stats.json `groups` says
+how far apart they are.
 
 Part `e2e` is in bench_jobs_e2e.py.
 """
@@ -100,9 +107,15 @@ def part_unchanged(args: argparse.Namespace, tmp: Path, src: Path, rels: list[st
         )
 
 
-def sampler_job(mnt: Path, group: str, seed: int, epochs: int, gate: Path) -> None:
-    """One ShadeSampler job of `group` (no model: it reads what the order says); it starts
-    reading once every job has registered (`gate` appears), so that they run together."""
+def sampler_job(
+    mnt: Path, group: str, seed: int, epochs: int, gate: Path, delay: float, pace: float
+) -> None:
+    """One ShadeSampler job of `group` (no model: it reads what the order says, and records
+    random per-sample losses as a real job records its own); it starts reading `delay`
+    seconds after every job has registered (`gate` appears), and sleeps `pace` seconds per
+    batch."""
+    import numpy as np
+    import torch
     from torch.utils.data import DataLoader, Dataset
 
     from shadefs.torch import ShadeSampler
@@ -121,13 +134,18 @@ def sampler_job(mnt: Path, group: str, seed: int, epochs: int, gate: Path) -> No
     rels = sorted(str(p) for p in mnt.rglob("*.bin"))
     data = Files(rels)
     sampler = ShadeSampler(data, group=group or None, seed=seed)
+    rng = np.random.default_rng(os.getpid())
     (gate.parent / f"ready-{os.getpid()}").touch()
     while not gate.exists():
         time.sleep(0.01)
+    time.sleep(delay)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for _ in DataLoader(data, sampler=sampler, batch_size=32):
-            pass
+        for batch in DataLoader(data, sampler=sampler, batch_size=32):
+            sampler.record(torch.from_numpy(rng.random(len(batch), dtype=np.float32)))
+            if pace:
+                time.sleep(pace)
+    sampler.close()
 
 
 def part_group(args: argparse.Namespace, tmp: Path, src: Path, rels: list[str]) -> None:
@@ -137,20 +155,37 @@ def part_group(args: argparse.Namespace, tmp: Path, src: Path, rels: list[str]) 
         f"ShadeSampler jobs of one group: {args.files} files, RAM f = {args.fraction:.2f}, "
         f"{args.group_epochs} epochs"
     )
+    for policy in args.group_policies.split(","):
+        print(
+            f"policy {policy}, stagger {args.stagger} s, step {args.pace} ms "
+            f"(+{args.spread:.0%} per member)"
+        )
+        group_once(args, tmp, src, ram, total, policy)
+
+
+def group_once(
+    args: argparse.Namespace, tmp: Path, src: Path, ram: int, total: int, policy: str
+) -> None:
     fetched: dict[int, Any] = {}
     for jobs in (1, args.jobs):
-        with mounted(src, tmp / f"mnt-g{jobs}", "--ram", str(ram)) as m:
-            gates = tmp / f"gates{jobs}"
+        with mounted(src, tmp / f"mnt-g{policy}{jobs}", "--ram", str(ram), "--policy", policy) as m:
+            gates = tmp / f"gates{policy}{jobs}"
             gates.mkdir()
-            cmd = [sys.executable, __file__, "--sampler", str(m), "sweep", "7"]
-            cmd += [str(args.group_epochs), str(gates / "go")]
-            procs = [subprocess.Popen(cmd) for _ in range(jobs)]
+            procs = []
+            for i in range(jobs):
+                cmd = [sys.executable, __file__, "--sampler", str(m), "sweep", "7"]
+                cmd += [str(args.group_epochs), str(gates / "go")]
+                pace = args.pace * (1 + args.spread * i) / 1000
+                cmd += [str(args.stagger * i), str(pace)]
+                procs.append(subprocess.Popen(cmd))
             while len(list(gates.glob("ready-*"))) < jobs:
                 time.sleep(0.05)
             (gates / "go").touch()
+            t0 = time.monotonic()
             for p in procs:
                 if p.wait() != 0:
                     raise SystemExit(f"a sampler job failed with {p.returncode}")
+            took = time.monotonic() - t0
             s = stats(m)
         fetched[jobs] = s["bytes_from_source"]
         if args.verbose:
@@ -161,10 +196,12 @@ def part_group(args: argparse.Namespace, tmp: Path, src: Path, rels: list[str]) 
                 )
             print(
                 f"  evictions {s['evictions']}, refused {s['refused']}, "
-                f"shared fetches {s['fetches_shared']}, prefetch {s.get('prefetch')}"
+                f"shared fetches {s['fetches_shared']}, refetches {s.get('refetches')}, "
+                f"policy {s['policy_state']}"
             )
         print(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
+            f"{took:.1f} s, unbridged {s['sampler'].get('unbridged')}, "
             f"hit ratio {s['hit_ratio']:.3f}"
         )
     print(f"{args.jobs} jobs / 1 job: source bytes {fetched[args.jobs] / fetched[1]:.2f}x")
@@ -176,8 +213,8 @@ def main() -> None:
         reader(Path(mnt), Path(listing), int(seed), int(epochs), Path(out))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--sampler":
-        mnt, group, seed, epochs, gate = sys.argv[2:7]
-        sampler_job(Path(mnt), group, int(seed), int(epochs), Path(gate))
+        mnt, group, seed, epochs, gate, delay, pace = sys.argv[2:9]
+        sampler_job(Path(mnt), group, int(seed), int(epochs), Path(gate), float(delay), float(pace))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=1000)
@@ -187,6 +224,10 @@ def main() -> None:
     ap.add_argument("--group-epochs", type=int, default=3)
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--policy", default="epoch")
+    ap.add_argument("--group-policies", default="shade,epoch")
+    ap.add_argument("--stagger", type=float, default=0.0, help="seconds between group starts")
+    ap.add_argument("--pace", type=float, default=0.0, help="ms per batch (a training step)")
+    ap.add_argument("--spread", type=float, default=0.0, help="member i's step: x(1+F*i)")
     ap.add_argument("--part", default="unchanged,group")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path)

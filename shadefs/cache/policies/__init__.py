@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from shadefs.cache.policies.base import Policy
 from shadefs.cache.policies.belady import BeladyPolicy
 from shadefs.cache.policies.epoch import EpochPolicy
@@ -43,16 +41,14 @@ def make_policy(
     name: str,
     score: Callable[[int], float] | None = None,
     next_use: Callable[[int], float] | None = None,
-    planned: Callable[[np.ndarray], np.ndarray] | None = None,
     owns: Callable[[int], bool] | None = None,
     pending: Callable[[int], bool] | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
-    `belady` by `next_use` (every key infinitely far if None); `epoch` asks `planned`
-    what a sweep group's order still reads. With `owns`, admission favours the keys this
-    node owns in a multi-node job (`Owned`). `shade` keeps what `pending` says the epoch's
-    known order still reads."""
-    policy = _make(name, score, next_use, planned, pending)
+    `belady` by `next_use` (every key infinitely far if None). With `owns`, admission
+    favours the keys this node owns in a multi-node job (`Owned`). `shade` and `epoch`
+    keep what `pending` says the known orders still read."""
+    policy = _make(name, score, next_use, pending)
     return Owned(policy, owns) if owns is not None else policy
 
 
@@ -60,11 +56,10 @@ def _make(
     name: str,
     score: Callable[[int], float] | None,
     next_use: Callable[[int], float] | None,
-    planned: Callable[[np.ndarray], np.ndarray] | None,
     pending: Callable[[int], bool] | None = None,
 ) -> Policy:
     if name == "epoch":
-        return EpochPolicy(planned)
+        return EpochPolicy(pending)
     if name == "lru":
         return LruPolicy()
     if name == "shade":

@@ -10,13 +10,17 @@ Relative to job j's epoch e_j an entry is
   resident starts wanted by every job but the ones that just read it;
 - *stale* for j (last < e_j - 1): j went a whole epoch without reading it.
 
-The remaining demand of an entry is the number of active jobs that want it. "Job j read it
-this epoch" is one comparison, and a new epoch costs nothing (only e_j moves).
+The remaining demand of an entry is the number of active jobs that want it. Two columns
+count, per slot, the active jobs that want it (`want`) and that consumed it (`done`); a
+read moves one slot's counts (O(1)), and only a job's new epoch, a job joining or leaving
+recounts them (vectorised, O(jobs x slots), once per epoch). Resident entries sit in
+buckets by rank, so an admission walks its victims only (O(victims)), never every key.
 
 Epochs are per job: job j's epoch is inferred to advance when j reads a file it already
 read in its current epoch (the rule the single-job `epoch` policy applies globally to
 resident files), or announced. So one job's read of a file that another job read never looks
-like a new epoch.
+like a new epoch. The members of a sweep group read known orders: what those still read
+is kept by the pending reads (sampling/pending.py), not inferred here.
 """
 
 from __future__ import annotations
@@ -30,86 +34,89 @@ _GROW = 2
 
 
 class JobReads:
-    """The `last[row, slot]` matrix, the slots of the keys and the per-job epochs.
+    """The `last[row, slot]` matrix, the slots of the keys, the per-job epochs and the
+    per-slot demand counts.
 
     A key keeps its slot after eviction, so that what each job read of it is still known
     when another job's miss brings it back: otherwise a file that three of four jobs have
     read would come back as wanted by all of them. The slots are dense numpy columns; the
-    one per-key Python structure is the `slot_of` dict.
+    per-key Python structures are the `slot_of` dict and the rank buckets of live slots.
     """
 
-    def __init__(self, planned: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """`planned(keys)`: which keys a known order (a group's plan) reads from here on."""
-        self.planned = planned
+    def __init__(self) -> None:
         self.slot_of: dict[int, int] = {}
-        self._free: list[int] = []
-        self._n = 0  # slots handed out so far (live or free)
+        self._n = 0  # slots handed out so far
         self.sizes = np.zeros(64, dtype=np.int64)
         self.live = np.zeros(64, dtype=bool)
         self.keys = np.zeros(64, dtype=np.int64)
+        self.want = np.zeros(64, dtype=np.int32)  # active jobs that want the slot
+        self.done = np.zeros(64, dtype=np.int32)  # active jobs that consumed it
+        self._rank = np.full(64, -1, dtype=np.int64)  # a live slot's bucket, -1 if none
         self.last = np.zeros((1, 64), dtype=np.int64)
-        self.count = np.zeros((1, 64), dtype=np.int32)  # reads in the epoch `last` names
         self.epoch = np.zeros(1, dtype=np.int64)
         self.explicit = np.zeros(1, dtype=bool)
-        self.group = np.zeros(1, dtype=np.int64)  # a sweep group's id, 0 for none
-        self._group_ids: dict[str, int] = {}
         self.active: dict[int, None] = {}  # rows of the jobs that read, in arrival order
+        self._buckets: dict[int, dict[int, None]] = {}  # rank -> live slots, oldest first
 
     # --- jobs ---------------------------------------------------------------------------
 
     def _grow_rows(self, row: int) -> None:
         rows = max(row + 1, len(self.epoch) * _GROW)
         old = len(self.epoch)
-        for name in ("last", "count"):
-            arr = getattr(self, name)
-            new = np.zeros((rows, arr.shape[1]), dtype=arr.dtype)
-            new[:old] = arr
-            setattr(self, name, new)
-        for name in ("epoch", "explicit", "group"):
+        new = np.zeros((rows, self.last.shape[1]), dtype=np.int64)
+        new[:old] = self.last
+        self.last = new
+        for name in ("epoch", "explicit"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(rows - old, arr.dtype)]))
 
-    def join(self, row: int) -> None:
-        """Job `row` starts: epoch 0, and it wants every resident entry."""
+    def join(self, row: int, recount: bool = True) -> None:
+        """Job `row` starts: epoch 0, and it wants every resident entry (the counts follow
+        unless the caller recounts them itself)."""
         if row >= len(self.epoch):
             self._grow_rows(row)
         self.epoch[row] = 0
         self.explicit[row] = False
         self.last[row, : self._n] = -1
-        self.count[row, : self._n] = 0
         self.active[row] = None
+        if recount:
+            self.recount()
 
     def leave(self, row: int) -> None:
         """Job `row` is over: it wants nothing any more (its row may be reused)."""
-        self.active.pop(row, None)
-        if row < len(self.group):
-            self.group[row] = 0
+        if self.active.pop(row, 0) is None:
+            self.recount()
 
-    def set_group(self, row: int, group: str) -> None:
-        """Job `row` belongs to sweep group `group` ("" for none): see `_wanted`."""
-        if row >= len(self.epoch):
-            self._grow_rows(row)
-        self.group[row] = (
-            self._group_ids.setdefault(group, len(self._group_ids) + 1) if group else 0
-        )
+    def recount(self) -> None:
+        """Count `want` and `done` afresh from `last` and the epochs (after a job's new
+        epoch, a job joining or leaving, or a row set in bulk), and re-bucket."""
+        n = self._n
+        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
+        last = self.last[rows, :n]
+        e = self.epoch[rows][:, None]
+        self.want[:n] = (last == e - 1).sum(axis=0)
+        self.done[:n] = (last >= e).sum(axis=0)
+        self._buckets = {}
+        self._rank[:n] = -1
+        live = np.flatnonzero(self.live[:n])
+        rank = self.want[live].astype(np.int64) * (len(rows) + 1) + self.done[live]
+        self._rank[live] = rank
+        # One dict per distinct rank (a handful), filled at C speed.
+        for r in np.unique(rank).tolist():
+            self._buckets[r] = dict.fromkeys(live[rank == r].tolist())
 
     # --- entries ------------------------------------------------------------------------
 
     def _grow_slots(self) -> None:
         cap = len(self.sizes) * _GROW
-        for name in ("sizes", "keys"):
+        for name in ("sizes", "keys", "live", "want", "done", "_rank"):
             old = getattr(self, name)
-            new = np.zeros(cap, dtype=old.dtype)
+            new = np.full(cap, -1 if name == "_rank" else 0, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
-        live = np.zeros(cap, dtype=bool)
-        live[: len(self.live)] = self.live
-        self.live = live
-        for name in ("last", "count"):
-            arr = getattr(self, name)
-            new = np.zeros((arr.shape[0], cap), dtype=arr.dtype)
-            new[:, : arr.shape[1]] = arr
-            setattr(self, name, new)
+        last = np.zeros((self.last.shape[0], cap), dtype=np.int64)
+        last[:, : self.last.shape[1]] = self.last
+        self.last = last
 
     def _slot(self, key: int) -> int:
         """The slot of `key`, made on first sight: wanted by every job."""
@@ -122,121 +129,111 @@ class JobReads:
             self.slot_of[key] = slot
             self.keys[slot] = key
             self.last[:, slot] = self.epoch - 1
-            self.count[:, slot] = 0
+            self.want[slot] = len(self.active)
+            self.done[slot] = 0
         return slot
+
+    def _rank_of(self, slot: int) -> int:
+        return int(self.want[slot]) * (len(self.active) + 1) + int(self.done[slot])
+
+    def _place(self, slot: int) -> None:
+        """Put live `slot` in the bucket of its rank now."""
+        r = self._rank_of(slot)
+        old = int(self._rank[slot])
+        if old == r:
+            return
+        if old >= 0:
+            self._unbucket(slot, old)
+        bucket = self._buckets.get(r)
+        if bucket is None:
+            bucket = self._buckets[r] = {}
+        bucket[slot] = None
+        self._rank[slot] = r
+
+    def _unbucket(self, slot: int, rank: int) -> None:
+        bucket = self._buckets[rank]
+        del bucket[slot]
+        if not bucket:
+            del self._buckets[rank]
+        self._rank[slot] = -1
 
     def add(self, key: int, size: int) -> None:
         """`key` became resident (what each job read of it before still counts)."""
         slot = self._slot(key)
         self.sizes[slot] = size
         self.live[slot] = True
+        self._place(slot)
 
     def remove(self, key: int) -> None:
         slot = self.slot_of.get(key)
-        if slot is not None:
+        if slot is not None and self.live[slot]:
             self.live[slot] = False
+            self._unbucket(slot, int(self._rank[slot]))
 
     def read(self, key: int, row: int, infer: bool = True) -> bool:
         """Job `row` read `key` (a hit or a miss); True when that starts a new epoch of the
         job (it read `key` already in its current epoch, and `infer`)."""
         slot = self._slot(key)
         e = int(self.epoch[row])
-        new = False
-        if int(self.last[row, slot]) == e:
+        last = int(self.last[row, slot])
+        if last >= e:
             if infer and not self.explicit[row]:
-                e += 1
-                self.epoch[row] = e
-                new = True
-                self.count[row, slot] = 1
-            else:
-                self.count[row, slot] += 1  # a replay within the epoch
-        else:
-            self.count[row, slot] = 1
+                self.epoch[row] = e + 1
+                self.last[row, slot] = e + 1
+                self.recount()
+                return True
+            return False  # a replay within the epoch
+        if row in self.active:
+            if last == e - 1:
+                self.want[slot] -= 1
+            self.done[slot] += 1
         self.last[row, slot] = e
-        return new
+        if self.live[slot]:
+            self._place(slot)
+        return False
 
     def announce(self, row: int, epoch: int) -> None:
         self.explicit[row] = True
         if epoch > self.epoch[row]:
             self.epoch[row] = epoch
+            self.recount()
 
     # --- demand -------------------------------------------------------------------------
 
-    def ranks(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(rank of every slot, live slots, jobs): lower ranks go first.
+    def rank_of(self, key: int) -> int:
+        """The rank of `key` now (a miss about to be admitted): lower ranks go first.
 
         The rank orders by remaining demand (jobs that want the entry), then by how many
         jobs consumed it (they read it again next epoch); stale for everyone is lowest.
         """
-        n = self._n
-        rank, jobs = self._ranks(np.arange(n))
-        return rank, self.live[:n], jobs
+        return self._rank_of(self._slot(key))
 
-    def rank_of(self, key: int) -> int:
-        """The rank of `key` now (a miss about to be admitted)."""
-        rank, _ = self._ranks(np.array([self._slot(key)]))
-        return int(rank[0])
-
-    def _ranks(self, cols: np.ndarray) -> tuple[np.ndarray, int]:
-        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
-        last = self.last[np.ix_(rows, cols)]
-        e = self.epoch[rows][:, None]
-        wanted = self._wanted(rows, cols, last)
-        consumed = (last >= e).sum(axis=0)
-        jobs = len(rows)
-        return wanted * (jobs + 1) + consumed, jobs
-
-    def _wanted(self, rows: np.ndarray, cols: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """How many of the jobs `rows` still want each slot of `cols` this epoch.
-
-        A job of no group reads every file once per epoch: it wants what it has not read
-        in its current epoch (and read in its previous one, or never saw). The members of
-        a sweep group read one order, which need not hold every file and may hold some
-        several times (PADS replays): a member wants a file that another member read more
-        often in the member's current epoch than the member itself has, and every member
-        wants what the group's order reads ahead of its fastest member (`planned`).
-        """
-        e = self.epoch[rows][:, None]
-        wanted = last == e - 1
-        groups = self.group[rows]
-        if groups.any():
-            count = self.count[np.ix_(rows, cols)]
-            # What the group's order reads ahead of its fastest member, every member wants.
-            ahead = self.planned(self.keys[cols]) if self.planned is not None else None
-            for g in np.unique(groups[groups > 0]):
-                members = np.flatnonzero(groups == g)
-                for i in members:
-                    ei = self.epoch[rows[i]]
-                    # Each member's reads of each file in member i's epoch.
-                    reads = np.where(last[members] == ei, count[members], 0)
-                    wanted[i] = reads.max(axis=0) > reads[list(members).index(i)]
-                    if ahead is not None:
-                        wanted[i] |= ahead
-        result: np.ndarray = wanted.sum(axis=0)
-        return result
-
-    def victims(self, need: int, below: int | None) -> list[int] | None:
+    def victims(
+        self,
+        need: int,
+        below: int | None,
+        kept: Callable[[int], bool] | None = None,
+    ) -> list[int] | None:
         """Keys to evict, lowest rank first, that free `need` bytes; only ranks < `below`
-        when given (None if they do not free enough); everything there is when shrinking."""
+        when given (None if they do not free enough); everything there is when shrinking.
+        With `kept(key)`, the keys it holds are never victims (pending reads)."""
         if need <= 0:
             return []
-        rank, live, _ = self.ranks()
-        ok = live if below is None else live & (rank < below)
-        cand = np.flatnonzero(ok)
-        cand = cand[np.argsort(rank[cand], kind="stable")]
-        total = np.cumsum(self.sizes[cand])
-        k = int(np.searchsorted(total, need))
-        if k >= len(cand):
-            if below is not None:
-                return None
-            return [int(x) for x in self.keys[cand]]
-        return [int(x) for x in self.keys[cand[: k + 1]]]
+        victims: list[int] = []
+        for r in sorted(self._buckets):
+            if below is not None and r >= below:
+                break
+            for slot in self._buckets[r]:
+                key = int(self.keys[slot])
+                if kept is not None and kept(key):
+                    continue
+                victims.append(key)
+                need -= int(self.sizes[slot])
+                if need <= 0:
+                    return victims
+        return None if below is not None or kept is not None else victims
 
     def demand(self, key: int) -> int:
         """How many active jobs still want `key` this epoch (0 if never seen)."""
         slot = self.slot_of.get(key)
-        if slot is None:
-            return 0
-        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
-        cols = np.array([slot])
-        return int(self._wanted(rows, cols, self.last[np.ix_(rows, cols)])[0])
+        return 0 if slot is None else int(self.want[slot])

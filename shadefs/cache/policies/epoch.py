@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from itertools import chain
 
 import numpy as np
 
@@ -52,15 +53,18 @@ class EpochPolicy(Policy):
 
     name = "epoch"
 
-    def __init__(self, planned: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """`planned(keys)`: which keys a known order reads from here on (sweep groups)."""
+    def __init__(self, pending: Callable[[int], bool] | None = None) -> None:
+        """`pending(key)`: whether a known order (a ShadeSampler's, sampling/pending.py)
+        reads `key` again. Such an entry is never evicted for a miss that no known order
+        reads again, and such a miss may replace any entry without."""
         super().__init__()
+        self.pending = pending
         self.epoch = 0
         self._explicit = False
         self._last: dict[int, int] = {}
         # Insertion-ordered buckets of keys by the epoch of their last read.
         self._buckets: dict[int, dict[int, None]] = {}
-        self.reads = JobReads(planned)
+        self.reads = JobReads()
         self._solo = -1  # the row of the one active job, -1 unless exactly one is active
 
     @property
@@ -123,8 +127,8 @@ class EpochPolicy(Policy):
                 # A second job: bring the first one's row up to date (hits of one job
                 # alone only touch the single-job state, to keep the hit path cheap).
                 (first,) = reads.active
-                self._sync_row(first)
-            reads.join(job)
+                self._sync_row(first, recount=False)  # join recounts
+            reads.join(job, recount=len(reads.active) > 0)
             if len(reads.active) == 1:
                 # The first job of an empty policy (or the next after one ended alone).
                 self._sync_row(job)
@@ -139,13 +143,17 @@ class EpochPolicy(Policy):
             return
         self._solo_hit(key)
 
-    def _sync_row(self, row: int) -> None:
-        """Job `row` is the one job: its row takes the single-job state of resident keys."""
+    def _sync_row(self, row: int, recount: bool = True) -> None:
+        """Job `row` is the one job: its row takes the single-job state of resident keys
+        (and the demand counts follow unless the caller recounts them itself)."""
         reads = self.reads
         reads.epoch[row] = self.epoch
         reads.explicit[row] = self._explicit
-        for key, e in self._last.items():
-            reads.last[row, reads.slot_of[key]] = e
+        slot_of = reads.slot_of
+        slots = np.fromiter((slot_of[k] for k in self._last), np.int64, len(self._last))
+        reads.last[row, slots] = np.fromiter(self._last.values(), np.int64, len(self._last))
+        if recount:
+            reads.recount()
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         rows = list(self.reads.active) if job is None else [job]
@@ -156,9 +164,6 @@ class EpochPolicy(Policy):
             self._explicit = True
             if epoch > self.epoch:
                 self.epoch = epoch
-
-    def job_named(self, job: int, group: str) -> None:
-        self.reads.set_group(job, group)
 
     def job_ended(self, job: int) -> None:
         reads = self.reads
@@ -192,9 +197,18 @@ class EpochPolicy(Policy):
         yield from self._buckets.get(self.epoch - 1, ())
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        keep = self.pending
         if self.shared:
-            return self.reads.victims(size - free, self.reads.rank_of(key))
-        return take_prefix(self._stale(), self.sizes, size - free)
+            if keep is None:
+                return self.reads.victims(size - free, self.reads.rank_of(key))
+            below = None if keep(key) else self.reads.rank_of(key)
+            return self.reads.victims(size - free, below, keep)
+        if keep is None or size <= free:
+            return take_prefix(self._stale(), self.sizes, size - free)
+        # A known order's pending reads come first: kept, and worth a consumed entry.
+        wanted = keep(key)
+        order = chain(self._stale(), self._consumed()) if wanted else self._stale()
+        return take_prefix((k for k in order if not keep(k)), self.sizes, size - free)
 
     def shrink(self, need: int) -> list[int]:
         if self.shared:
