@@ -62,8 +62,7 @@ class _Flight(Flight):
         super().__init__()
         self.sig: Signature | None = None
         self.ahead = ahead  # started by the prefetcher, not by a reader
-        # False when the file changed size since it was looked up or while it was read:
-        # the bytes answer the readers of this flight but are never cached.
+        # False when the bytes are not the whole file (it grew past the bound): never cached.
         self.clean = True
 
 
@@ -172,9 +171,13 @@ class Cache:
     # --- the data path ----------------------------------------------------------------
 
     async def open(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> bytes | None:
-        """The file's bytes for a new handle, or None when it must be read through; `pid`
-        is the reading thread (its job is looked up in `jobs`). The bytes returned are
-        pinned for the handle (`unpin` them when it is released)."""
+        entry = await self.open_entry(key, path, st, pid)  # its bytes only
+        return None if entry is None else entry.data
+
+    async def open_entry(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> Entry | None:
+        """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
+        None: read it through. `pid`: the reader (its job is looked up in `jobs`). A miss
+        may meet another version than `st`'s, or only its start if it grew past the bound."""
         sig = Signature.of(st)
         if self.pending is not None:
             self.pending.read(key)  # before the policies hear of the read
@@ -197,18 +200,18 @@ class Cache:
                 reader.hits += 1
                 reader.bytes += st.st_size
                 self.handles.pin(entry.data, True)
-                return entry.data
+                return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
-        data = await self._miss(key, path, st, sig, reader)
-        if data is not None:
+        got = await self._miss(key, path, st, sig, reader)
+        if got is not None:
             entry = self.entries.get(key)
-            self.handles.pin(data, entry is not None and entry.data is data)
-        return data
+            self.handles.pin(got.data, entry is not None and entry.data is got.data)
+        return got
 
     async def _miss(
         self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job
-    ) -> bytes | None:
+    ) -> Entry | None:
         """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
@@ -219,7 +222,7 @@ class Cache:
                 reader.hits += 1
                 reader.bytes += st.st_size
                 self._admit(key, data, sig)
-                return data
+                return Entry(data, sig)
             ssd.missed(key, job)
         self.metrics.misses += 1
         reader.misses += 1
@@ -229,7 +232,7 @@ class Cache:
             data = prefetcher.take(key, sig)
             if data is not None:
                 self._adopt(key, path, data, sig)
-                return data
+                return Entry(data, sig)
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
@@ -245,7 +248,7 @@ class Cache:
         finally:
             self.blocked += time.monotonic() - t0
 
-    async def _fetch(self, key: int, path: bytes, size: int) -> bytes:
+    async def _fetch(self, key: int, path: bytes, size: int) -> Entry:
         flight = self._flights.get(key)
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
@@ -257,12 +260,12 @@ class Cache:
                 if self.prefetcher is not None:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
-            return data
+            return Entry(data, flight.sig)
         flight = _Flight()
         data, sig = await self._fly(key, path, flight, size)
         if flight.clean:
             self._adopt(key, path, data, sig)
-        return data
+        return Entry(data, sig)
 
     async def _fly(
         self, key: int, path: bytes, flight: _Flight, size: int | None
@@ -273,19 +276,18 @@ class Cache:
             self.fetchlog.note(key, len(data))
             flight.data = data
             flight.sig = sig = Signature.of(st)
-            flight.clean = len(data) == st.st_size and size in (None, st.st_size)
+            # Whole (the source returns no torn read): the version its signature names, even
+            # if not the one looked up. Else the start of a file that grew past the bound.
+            flight.clean = len(data) == st.st_size
             if not flight.clean:
-                log.debug("%r changed size while it was fetched: served, not cached", path)
+                log.debug("%r grew past the size looked up: not cached", path)
         return data, sig
 
     async def fetch_ahead(
         self, key: int, path: bytes, size: int | None = None
     ) -> tuple[bytes, Signature] | None:
-        """The prefetcher's fetch: shares single-flight with readers, admits nothing.
-
-        None when a reader is already fetching the file (the reader will cache it), or when
-        the file changed size since it was planned (a reader will fetch it afresh).
-        """
+        """The prefetcher's fetch: shares single-flight with readers, admits nothing. None
+        when a reader is fetching the file (and will cache it), or it grew past the bound."""
         if key in self._flights:
             return None
         flight = _Flight(ahead=True)

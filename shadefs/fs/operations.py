@@ -31,10 +31,11 @@ from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.ssd_format import StatLike
+from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
-from shadefs.fs.namespace import ROOT_INODE, Namespace
+from shadefs.fs.inode_numbers import ROOT_INODE
+from shadefs.fs.namespace import Namespace
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.xattrs import Xattrs
 from shadefs.source import Source
@@ -47,6 +48,8 @@ OpsT = TypeVar("OpsT")
 
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
+# Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
+_MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -120,6 +123,9 @@ class Operations(pyfuse3.Operations):
         self.xattrs = Xattrs(ns, source)
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
+        # The inode of each data handle, and the open handles of each inode (_file_info).
+        self._inode_of: dict[FileHandleT, int] = {}
+        self._open_on: dict[int, int] = {}
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -215,41 +221,78 @@ class Operations(pyfuse3.Operations):
         if flags & _WRITE_FLAGS:
             raise _erofs()
         st, path, checked = self.ns.opening(inode)
-        changed = False
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         if time.monotonic() - checked >= self.ns.revalidate:
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
-        if st.st_size > self.cache.whole_max:  # the one added test on the hit path
-            blocks = self.blocks
-            if blocks is not None and blocks.applies(st.st_size):
-                return await self._open_blocks(blocks, inode, path, st, changed)
-        data = await self.cache.open(inode, path, st, ctx.pid)
-        fh = self._next_fh
+        for _ in range(2):
+            if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+                blocks = self.blocks
+                if blocks is not None and blocks.applies(st.st_size):
+                    return await self._open_blocks(blocks, inode, path, st)
+            try:
+                entry = await self.cache.open_entry(inode, path, st, ctx.pid)
+                if entry is None:  # read through: the kernel may keep no pages of it
+                    fd = await self.source.open_fd(path)
+                    self._fds[fh := self._handle(inode)] = fd
+                    return self._file_info(fh, inode, keep=False)
+            except pyfuse3.FUSEError as exc:
+                if exc.errno in _MOVED:
+                    raise self.ns.stale(inode) from None
+                raise
+            if entry.sig == Signature.of(st):  # a hit always is
+                break
+            # The source had another version than the one looked up: make it the node's
+            # (ESTALE if the path now leads to another file), and tell the kernel its size.
+            try:
+                st, _ = await self.ns.fresh_stat(inode, force=True)
+                await _invalidate_attrs(inode)
+            except BaseException:
+                self.cache.unpin(entry.data)
+                raise
+            if entry.sig == Signature.of(st) and len(entry.data) == st.st_size:
+                break
+            self.cache.unpin(entry.data)
+        else:  # it changed again: never serve a version that no open asked for
+            raise pyfuse3.FUSEError(errno.EIO)
+        self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
+        return self._file_info(fh, inode)
+
+    def _handle(self, inode: int) -> FileHandleT:
+        """A new file handle of `inode`, counted among the inode's open handles."""
+        fh = FileHandleT(self._next_fh)
         self._next_fh += 1
-        if data is not None:
-            self._mem[fh] = memoryview(data)  # pinned by cache.open, unpinned at release
-            # Without keep_cache the kernel drops the file's old pages as it opens it: the
-            # page-cache invalidation of a changed file, with no reverse call that could
-            # deadlock against a read in flight (reference/fuse-anchors.md §2).
-            return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
-        self._fds[fh] = await self.source.open_fd(path)
-        # Pass-through files are not resident: do not let the kernel keep stale pages.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        self._inode_of[fh] = inode
+        self._open_on[inode] = self._open_on.get(inode, 0) + 1
+        return fh
+
+    def _file_info(self, fh: FileHandleT, inode: int, keep: bool = True) -> pyfuse3.FileInfo:
+        """keep_cache when the kernel's pages of `inode` are of the version this handle
+        serves: not when it is `unsure` (another version was seen since the kernel last
+        filled them). Without keep_cache the kernel drops the inode's pages as it opens the
+        file: an invalidation with no reverse call that could deadlock against a read in
+        flight (reference/fuse-anchors.md §2). But while other handles of the inode are
+        open, their reads would fill the pages again with their own version, and ours
+        theirs: this handle then bypasses the page cache (direct_io) until they close."""
+        if inode in self.ns.unsure:
+            if self._open_on[inode] > 1:
+                return pyfuse3.FileInfo(fh=fh, direct_io=True)
+            if keep:  # a pass-through handle fills pages with whatever the source has now
+                self.ns.unsure.discard(inode)
+            keep = False
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def _open_blocks(
-        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike, changed: bool
+        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
     ) -> pyfuse3.FileInfo:
         """A large file, cached in blocks (cache/blocks.py)."""
         handle, resident = await blocks.open(inode, path, st)
-        fh = self._next_fh
-        self._next_fh += 1
-        self._blk[fh] = handle
+        self._blk[fh := self._handle(inode)] = handle
         # Only a file whose every block is resident may keep the kernel's pages: otherwise
         # they could outlive a change that this open has just revalidated.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=resident and not changed)
+        return self._file_info(fh, inode, keep=resident)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
@@ -267,6 +310,13 @@ class Operations(pyfuse3.Operations):
         return chunk
 
     async def release(self, fh: FileHandleT) -> None:
+        inode = self._inode_of.pop(fh, None)
+        if inode is not None:
+            left = self._open_on[inode] - 1
+            if left:
+                self._open_on[inode] = left
+            else:
+                del self._open_on[inode]
         mv = self._mem.pop(fh, None)
         if mv is not None:
             self.cache.unpin(cast(bytes, mv.obj))
