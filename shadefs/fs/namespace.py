@@ -39,7 +39,9 @@ from shadefs.cache.ssd_format import Signature
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
-from shadefs.fs.records import Node, Resolved
+from shadefs.fs.kernel import forget_entry
+from shadefs.fs.records import Node
+from shadefs.fs.resolving import Resolving
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.source import Source
 from shadefs.stats import NamespaceStats
@@ -55,7 +57,11 @@ _ROW = 0xFFFFFFFF
 _OPENED_KEPT = 4096
 
 
-class Namespace(InodeNumbers):
+class _Moved(Exception):
+    """A directory's path leads to another directory now (raised in a worker thread)."""
+
+
+class Namespace(InodeNumbers, Resolving):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -335,7 +341,10 @@ class Namespace(InodeNumbers):
         path = dsnap.child_path(di)
         flight = self._listing_flights[ino] = trio.Event()
         try:
-            names, rows, devs = await self.source.run(self._scan, path)
+            st_ino = int(dsnap.rows["st_ino"][di])
+            names, rows, devs = await self.source.run(self._scan_dir, path, st_ino)
+        except _Moved:
+            raise self.stale(ino) from None
         finally:
             del self._listing_flights[ino]
             flight.set()
@@ -344,6 +353,13 @@ class Namespace(InodeNumbers):
         if ino in self.table:
             self._adopt(snap)
         return snap
+
+    def _scan_dir(self, path: bytes, st_ino: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """_scan of a node's directory, which must still be that inode (it may have been
+        renamed, and another directory made under its name)."""
+        if self.source.paths.lstat(path).st_ino != st_ino:
+            raise _Moved(path)
+        return self._scan(path)
 
     def _scan(self, path: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """List `path` into snapshot columns (in a worker thread). The root's listing never
@@ -402,49 +418,11 @@ class Namespace(InodeNumbers):
             if listing is not None:
                 listing.stamp = -math.inf
             self._opened.pop(ino, None)
-            log.info("%r no longer leads to inode %d: ESTALE", snap.child_path(val & _ROW), ino)
+            i = val & _ROW
+            if snap.dirino:  # not the root: the kernel forgets the name, and asks again
+                forget_entry(snap.dirino, snap.name(i))
+            log.info("%r no longer leads to inode %d: ESTALE", snap.child_path(i), ino)
         return pyfuse3.FUSEError(errno.ESTALE)
 
     def attrs(self, ino: int, st: Stat | os.stat_result) -> pyfuse3.EntryAttributes:
         return records.attrs(ino, st, self.timeout)
-
-    # --- resolving paths that the kernel has not looked up ------------------------------
-
-    async def resolve(self, paths: Sequence[bytes]) -> Resolved:
-        """Inode, size and mode of many relative paths, listing each parent directory once.
-
-        Used for the sampler's file list and the residency queries: a million paths in a
-        thousand class directories cost a thousand source listings, not a million lstats
-        (none for a directory whose snapshot is fresh: it is what lookups answer from), and
-        the answer is three arrays. A path that does not exist, or whose parent is not a
-        directory or is reached through a symlink, gets mode 0. Nothing is kept.
-        """
-        splits, by_dir = records.by_parent(paths)
-        out = Resolved.empty(len(paths))
-        fresh = self._fresh_listings()
-        for parent, idxs in by_dir.items():
-            if parent.partition(b"/")[0] == NAME:
-                continue  # the control directory's, never the source's
-            snap = fresh.get(parent)
-            if snap is not None:
-                names, rows, inos = snap.name_list(), snap.rows, snap.ino
-            else:
-                try:
-                    names, rows, devs = await self.source.run(self._scan, parent)
-                except pyfuse3.FUSEError as exc:
-                    if exc.errno in _GONE:
-                        continue
-                    raise
-                inos = self._inos(rows, devs)
-            out.fill(idxs, [splits[i][2] for i in idxs], names, rows, inos)
-        return out
-
-    def _fresh_listings(self) -> dict[bytes, Snapshot]:
-        """The current snapshots younger than `revalidate`, by directory path."""
-        now = time.monotonic()
-        out = {}
-        for slot in self.listings.values():
-            snap = self._snaps[slot]
-            if snap is not None and now - snap.stamp < self.revalidate:
-                out[snap.path] = snap
-        return out

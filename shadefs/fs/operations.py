@@ -35,6 +35,7 @@ from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.inode_numbers import ROOT_INODE
+from shadefs.fs.kernel import invalidate_attrs
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.xattrs import Xattrs
@@ -55,18 +56,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 def _erofs() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
-
-
-async def _invalidate_attrs(inode: InodeT) -> None:
-    """Make the kernel forget a changed file's attributes (size, mtime).
-
-    Attribute-only invalidation takes no page locks, and it runs in a thread, so it cannot
-    wait on a request that this thread would have to answer.
-    """
-    try:
-        await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, True)
-    except Exception as exc:  # no FUSE session (handler tests) or the inode is gone
-        log.debug("invalidate_inode(%d) failed: %s", inode, exc)
 
 
 def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -226,7 +215,7 @@ class Operations(pyfuse3.Operations):
         if time.monotonic() - checked >= self.ns.revalidate:
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
-                await _invalidate_attrs(inode)
+                await invalidate_attrs(inode)
         for _ in range(2):
             if st.st_size > self.cache.whole_max:  # the one added test on the hit path
                 blocks = self.blocks
@@ -248,7 +237,7 @@ class Operations(pyfuse3.Operations):
             # (ESTALE if the path now leads to another file), and tell the kernel its size.
             try:
                 st, _ = await self.ns.fresh_stat(inode, force=True)
-                await _invalidate_attrs(inode)
+                await invalidate_attrs(inode)
             except BaseException:
                 self.cache.unpin(entry.data)
                 raise
