@@ -244,26 +244,26 @@ class Cache:
             return None
         t0 = time.monotonic()
         try:
-            return await self._fetch(key, path, st.st_size)
+            return await self._fetch(key, path, st)
         finally:
             self.blocked += time.monotonic() - t0
 
-    async def _fetch(self, key: int, path: bytes, size: int) -> Entry:
+    async def _fetch(self, key: int, path: bytes, st: StatLike) -> Entry:
         flight = self._flights.get(key)
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
             data = await flight.result()
             assert flight.sig is not None
-            if flight.ahead and flight.clean:
+            if flight.ahead and flight.clean and flight.sig.ino == st.st_ino:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
                 if self.prefetcher is not None:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
             return Entry(data, flight.sig)
         flight = _Flight()
-        data, sig = await self._fly(key, path, flight, size)
-        if flight.clean:
+        data, sig = await self._fly(key, path, flight, st.st_size)
+        if flight.clean and sig.ino == st.st_ino:  # else the path leads to another file now
             self._adopt(key, path, data, sig)
         return Entry(data, sig)
 

@@ -266,8 +266,8 @@ class Operations(pyfuse3.Operations):
         open, their reads would fill the pages again with their own version, and ours
         theirs: this handle then bypasses the page cache (direct_io) until they close."""
         if inode in self.ns.unsure:
-            if self._open_on[inode] > 1:
-                return pyfuse3.FileInfo(fh=fh, direct_io=True)
+            if self._open_on[inode] > 1:  # the pages stay the other handles'
+                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=True)
             if keep:  # a pass-through handle fills pages with whatever the source has now
                 self.ns.unsure.discard(inode)
             keep = False
