@@ -164,3 +164,17 @@ async def test_a_shadefs_of_the_source_is_never_listed_nor_looked_up(tmp_path: P
     assert entry.st_ino == 2  # the control directory's
     found = await svc.namespace.resolve([b".shadefs/stats", b"a"])
     assert found.mode[0] == 0 and found.mode[1] != 0
+
+
+async def test_a_reused_inode_number_with_the_same_signature_under_another_name_misses(
+    tmp_path: Path,
+) -> None:
+    # Within one timestamp tick a freed inode number can come back at the same size: the
+    # same (size, mtime, ctime, inode). The path it is read by tells the two files apart.
+    src = make_tree(tmp_path / "src", {"d/a": OLD, "d/b": NEW})
+    ops, svc = make_fs(src, ram=8 << 20)
+    st = os.lstat(src / "d" / "a")
+    assert await svc.cache.open(99, b"d/a", st) == OLD
+    assert await svc.cache.open(99, b"d/a", st) == OLD and svc.metrics.hits == 1
+    # "d/b" posing as the same inode and signature: not a hit, read by its own path.
+    assert await svc.cache.open(99, b"d/b", st) == NEW and svc.metrics.hits == 1

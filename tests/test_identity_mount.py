@@ -106,7 +106,6 @@ def test_a_hard_link_is_served_by_its_other_name(tmp_path: Path, mounter, gone: 
     m = mounter(src, "--ram", "64M")
     assert read(m.mnt / "d" / "A") == data
     assert read(m.mnt / "d" / "B") == data  # the kernel: one inode, two names
-    assert m.stats()["hits"] == 1
     (src / "d" / gone).unlink()
     m.ctl("drop")  # the next read goes to the source, by some name of the inode
     kept = "B" if gone == "A" else "A"
@@ -184,3 +183,18 @@ def test_a_changed_file_opened_twice_is_never_mixed(tmp_path: Path, mounter) -> 
         assert v.read(m.mnt / "big.bin") == "new"  # opened while `first` is open
         assert first.read() == v.old[half:]  # the old handle: the old version to the end
     assert v.read(m.mnt / "big.bin") == "new"
+
+
+def test_a_shadefs_directory_in_the_source_never_replaces_the_control_directory(
+    tmp_path: Path, mounter
+) -> None:
+    src = tmp_path / "src"
+    (src / ".shadefs").mkdir(parents=True)
+    (src / ".shadefs" / "stats.json").write_text('{"pid": 1, "forged": true}')
+    (src / "a").write_bytes(b"a")
+    m = mounter(src)
+    assert os.listdir(m.mnt) == ["a"]  # `ls -a`: the source's .shadefs is not listed
+    stats = m.stats()  # lookup finds the control directory, before and after the listing
+    assert "forged" not in stats and stats["pid"] == m.stats()["pid"] != 1
+    m.ctl("drop")  # writable: the control file, not a read-only forged one
+    assert os.stat(m.mnt / ".shadefs").st_mode & 0o777 == 0o700

@@ -49,10 +49,12 @@ log = logging.getLogger(__name__)
 
 
 class Entry(NamedTuple):
-    """A resident file: its bytes and the signature of the source file they came from."""
+    """A resident file: its bytes, its source file's signature and hash() of the path it
+    was read by (an inode number reused within a timestamp tick has the same signature)."""
 
     data: bytes
     sig: Signature
+    where: int = 0
 
 
 class _Flight(Flight):
@@ -62,8 +64,7 @@ class _Flight(Flight):
         super().__init__()
         self.sig: Signature | None = None
         self.ahead = ahead  # started by the prefetcher, not by a reader
-        # False when the bytes are not the whole file (it grew past the bound): never cached.
-        self.clean = True
+        self.clean = True  # the bytes are the whole file (else they are never cached)
 
 
 class Cache:
@@ -191,7 +192,7 @@ class Cache:
             prefetcher.observe(key)
         entry = self.entries.get(key)
         if entry is not None:
-            if entry.sig == sig:
+            if entry.sig == sig and entry.where == hash(path):
                 self.metrics.hits += 1
                 self.ram_hits += 1
                 self.policy.accessed(key, True, job)
@@ -221,7 +222,7 @@ class Cache:
                 self.metrics.hits += 1
                 reader.hits += 1
                 reader.bytes += st.st_size
-                self._admit(key, data, sig)
+                self._admit(key, data, sig, hash(path))
                 return Entry(data, sig)
             ssd.missed(key, job)
         self.metrics.misses += 1
@@ -276,8 +277,7 @@ class Cache:
             self.fetchlog.note(key, len(data))
             flight.data = data
             flight.sig = sig = Signature.of(st)
-            # Whole (the source returns no torn read): the version its signature names, even
-            # if not the one looked up. Else the start of a file that grew past the bound.
+            # Whole (never torn) unless it grew past the bound; maybe not the version looked up.
             flight.clean = len(data) == st.st_size
             if not flight.clean:
                 log.debug("%r grew past the size looked up: not cached", path)
@@ -296,15 +296,15 @@ class Cache:
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""
-        self._admit(key, data, sig)
+        self._admit(key, data, sig, hash(path))
         if self.ssd is not None:
             self.ssd.offer(key, path, data, sig)
 
-    def _admit(self, key: int, data: bytes, sig: Signature) -> None:
+    def _admit(self, key: int, data: bytes, sig: Signature, where: int) -> None:
         if len(data) <= self.max_entry:  # larger ones are the SSD tier's or passed through
-            self.admit(key, data, sig)
+            self.admit(key, data, sig, where)
 
-    def admit(self, key: int, data: bytes, sig: Signature) -> None:
+    def admit(self, key: int, data: bytes, sig: Signature, where: int = 0) -> None:
         """Admit `data` under `key` if the policy makes room (blocks come in here too)."""
         size = len(data)
         if key in self.entries:
@@ -321,7 +321,7 @@ class Cache:
             log.error("policy %s returned too few victims; refusing", self.policy.name)
             self.refused += 1
             return
-        self.entries[key] = Entry(data, sig)
+        self.entries[key] = Entry(data, sig, where)
         self.used += size
         self.admitted += 1
         self.policy.inserted(key, size)

@@ -186,8 +186,8 @@ class Namespace(InodeNumbers, Resolving):
         old = self._snaps[oslot]
         assert old is not None
         old.lookups[oi] += 1
-        if old is snap and oi == i:
-            return
+        if old is snap:
+            return  # a hard link's other name in the same listing: one path is enough
         # The newest row the kernel heard of is the node: a refreshed listing (so that the
         # old one can go), a rename, a hard link's other name, a reused inode number.
         ost, nst = old.stat(oi), snap.stat(i)
