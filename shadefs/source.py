@@ -177,8 +177,12 @@ class Source:
 
     async def open_fd(self, rel: bytes) -> int:
         """A read descriptor for pass-through reads (regular files only)."""
-        fd, _ = await self.run(self.paths.open_regular, rel)
+        fd, _ = await self.open_file(rel)
         return fd
+
+    async def open_file(self, rel: bytes) -> tuple[int, os.stat_result]:
+        """A read descriptor and its fstat (which file and version the reads will give)."""
+        return await self.run(self.paths.open_regular, rel)
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         data = await self.run(os.pread, fd, size, off)

@@ -178,3 +178,21 @@ async def test_a_reused_inode_number_with_the_same_signature_under_another_name_
     assert await svc.cache.open(99, b"d/a", st) == OLD and svc.metrics.hits == 1
     # "d/b" posing as the same inode and signature: not a hit, read by its own path.
     assert await svc.cache.open(99, b"d/b", st) == NEW and svc.metrics.hits == 1
+
+
+async def test_a_file_read_through_that_changed_takes_its_new_version(tmp_path: Path) -> None:
+    big = b"b" * (300 << 10)  # over the RAM tier's largest entry: read through
+    src = make_tree(tmp_path / "src", {"d/x": big})
+    ops, svc = make_fs(src, ram=1 << 20, passthrough_above=200 << 10)
+    ino = await lookup_path(ops, "d/x")
+    with open(src / "d" / "x", "ab") as f:
+        f.write(b"c" * 1000)  # grown since the kernel looked it up
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert ops._fds and not fi.keep_cache
+    assert svc.namespace.stat(ino).st_size == len(big) + 1000  # what getattr now answers
+    await ops.release(fi.fh)
+    (src / "d" / "y").write_bytes(big)
+    os.replace(src / "d" / "y", src / "d" / "x")  # renamed over: another file
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    assert e.value.errno == errno.ESTALE and not ops._fds

@@ -224,9 +224,7 @@ class Operations(pyfuse3.Operations):
             try:
                 entry = await self.cache.open_entry(inode, path, st, ctx.pid)
                 if entry is None:  # read through: the kernel may keep no pages of it
-                    fd = await self.source.open_fd(path)
-                    self._fds[fh := self._handle(inode)] = fd
-                    return self._file_info(fh, inode, keep=False)
+                    return await self._open_through(inode, path, st)
             except pyfuse3.FUSEError as exc:
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
@@ -248,6 +246,19 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
         return self._file_info(fh, inode)
+
+    async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
+        fd, now = await self.source.open_file(path)
+        try:
+            if Signature.of(now) != Signature.of(st):
+                # Another version than looked up: the node's now (ESTALE: another file).
+                await self.ns.fresh_stat(inode, force=True)
+                await invalidate_attrs(inode)
+        except BaseException:
+            await self.source.close_fd(fd)
+            raise
+        self._fds[fh := self._handle(inode)] = fd
+        return self._file_info(fh, inode, keep=False)
 
     def _handle(self, inode: int) -> FileHandleT:
         """A new file handle of `inode`, counted among the inode's open handles."""
