@@ -123,7 +123,7 @@ async def test_a_second_version_opened_beside_the_first_bypasses_the_page_cache(
     fifth = await ops.open(ino, os.O_RDONLY, CTX)
     assert fifth.keep_cache
     await ops.release(fifth.fh)
-    assert ino not in svc.namespace.unsure and not ops._open_on
+    assert ino not in svc.namespace.unsure and not ops._inode_of
 
 
 async def test_a_path_that_leads_to_another_file_is_estale(tmp_path: Path) -> None:

@@ -112,9 +112,7 @@ class Operations(pyfuse3.Operations):
         self.xattrs = Xattrs(ns, source)
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
-        # The inode of each data handle, and the open handles of each inode (_file_info).
-        self._inode_of: dict[FileHandleT, int] = {}
-        self._open_on: dict[int, int] = {}
+        self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -229,8 +227,8 @@ class Operations(pyfuse3.Operations):
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
                 raise
-            if entry.sig == Signature.of(st):  # a hit always is
-                break
+            if entry is self.cache.entries.get(inode) or entry.sig == Signature.of(st):
+                break  # a hit (the cache checked its signature), or the version looked up
             # The source had another version than the one looked up: make it the node's
             # (ESTALE if the path now leads to another file), and tell the kernel its size.
             try:
@@ -245,6 +243,8 @@ class Operations(pyfuse3.Operations):
         else:  # it changed again: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
+        if inode not in self.ns.unsure:  # the hit path: the kernel's pages are this version
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
@@ -261,11 +261,10 @@ class Operations(pyfuse3.Operations):
         return self._file_info(fh, inode, keep=False)
 
     def _handle(self, inode: int) -> FileHandleT:
-        """A new file handle of `inode`, counted among the inode's open handles."""
-        fh = FileHandleT(self._next_fh)
+        """A new file handle of `inode`."""
+        fh = self._next_fh
         self._next_fh += 1
         self._inode_of[fh] = inode
-        self._open_on[inode] = self._open_on.get(inode, 0) + 1
         return fh
 
     def _file_info(self, fh: FileHandleT, inode: int, keep: bool = True) -> pyfuse3.FileInfo:
@@ -277,8 +276,9 @@ class Operations(pyfuse3.Operations):
         open, their reads would fill the pages again with their own version, and ours
         theirs: this handle then bypasses the page cache (direct_io) until they close."""
         if inode in self.ns.unsure:
-            if self._open_on[inode] > 1:  # the pages stay the other handles'
-                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=True)
+            # Counted only here (rarely): a count kept per open would cost every hit.
+            if sum(1 for i in self._inode_of.values() if i == inode) > 1:
+                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=True)  # theirs
             if keep:  # a pass-through handle fills pages with whatever the source has now
                 self.ns.unsure.discard(inode)
             keep = False
@@ -310,13 +310,7 @@ class Operations(pyfuse3.Operations):
         return chunk
 
     async def release(self, fh: FileHandleT) -> None:
-        inode = self._inode_of.pop(fh, None)
-        if inode is not None:
-            left = self._open_on[inode] - 1
-            if left:
-                self._open_on[inode] = left
-            else:
-                del self._open_on[inode]
+        self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
             self.cache.unpin(cast(bytes, mv.obj))
