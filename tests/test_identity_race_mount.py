@@ -6,10 +6,11 @@ the RAM copy dropped) while reader threads read every path through the mount, so
 holding a handle across the changes. Every read must give a version that path had, or an
 error: never another path's bytes, a mix of two versions, or a cut file.
 
-"That path" is a name in a directory, and a directory is an inode: the kernel may keep its
-dentries of a directory that was renamed (entries live an hour), so `c/f1` may give what
-`f1` was in any directory that was ever called `c` (old), never what `f1` is in another
-directory (the issue's renamed-directory case).
+"That path" is a name in a directory, and both are inodes: the kernel keeps its names for
+`--revalidate` seconds, so `c/f1` may give any version of a file that `f1` named in any
+directory ever called `c` (an open follows the file its name leads to, also after the file
+moved on), never a file it did not name: not what `f1` is in another directory (the
+issue's renamed-directory case), nor a file that took over a reused inode number.
 
 The source itself passes through a few states during one write() (a reader of SRC would see
 them too): an in-place rewrite is new[:k] + old[k:] while it copies, an append is old plus
@@ -37,21 +38,29 @@ ALLOWED = {errno.ENOENT, errno.ESTALE, errno.EIO, errno.ENOTDIR}
 
 
 class Model:
-    """The source tree as the writer left it, and every version each path ever had."""
+    """The source tree as the writer left it, and what each name may give through the mount.
+
+    A file is an identity of the model (a new one for every create or replace, whatever
+    inode number the filesystem hands out) with all its versions. A name is a (directory,
+    name) pair, and a directory an identity too. A path may give any version of any file
+    that any directory it named held under that name: the kernel keeps names (and so the
+    file behind them) while the source moves on, and an open follows the file it names.
+    """
 
     def __init__(self, root: Path, seed: int) -> None:
         self.root = root
         self.rng = random.Random(seed)
         self.serial = 0
-        self.tree: dict[str, bytes] = {}
-        # A directory's identity by its current name, and every directory a name had.
-        self.dirs = {d: k for k, d in enumerate(DIRS)}
+        self.tree: dict[str, bytes] = {}  # path -> current bytes
+        self.file_of: dict[str, int] = {}  # path -> file
+        self.dirs = {d: k for k, d in enumerate(DIRS)}  # directory name -> directory
         self.named: dict[str, set[int]] = {d: {k} for d, k in self.dirs.items()}
-        # Per (directory, name): every version, the (old, new) of in-place rewrites and
-        # the (old, longer) of appends.
-        self.versions: dict[tuple[int, str], set[bytes]] = {}
-        self.rewrites: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
-        self.appends: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
+        self.held: dict[tuple[int, str], set[int]] = {}  # (directory, name) -> files
+        # Per file: every version, the (old, new) of in-place rewrites and the (old,
+        # longer) of appends.
+        self.versions: dict[int, set[bytes]] = {}
+        self.rewrites: dict[int, list[tuple[bytes, bytes]]] = {}
+        self.appends: dict[int, list[tuple[bytes, bytes]]] = {}
         self.lock = threading.Lock()
         self.log: list[str] = []  # what the writer did, for a failure's message
         for d in DIRS:
@@ -65,22 +74,30 @@ class Model:
         size = size or self.rng.choice(SIZES)
         return (unit * (size // len(unit) + 1))[:size]
 
-    def entry(self, rel: str) -> tuple[int, str]:
+    def _name(self, rel: str, file: int) -> None:
+        """`rel` names `file` from now on."""
         d, _, name = rel.partition("/")
-        return self.dirs[d], name
-
-    def _seen(self, rel: str, data: bytes) -> None:
         with self.lock:
-            self.versions.setdefault(self.entry(rel), set()).add(data)
+            self.held.setdefault((self.dirs[d], name), set()).add(file)
+        self.file_of[rel] = file
+
+    def _version(self, rel: str, data: bytes) -> None:
+        with self.lock:
+            self.versions.setdefault(self.file_of[rel], set()).add(data)
         self.tree[rel] = data
 
     def _write_new(self, rel: str) -> None:
         """Create or replace `rel` atomically (a new inode), as rsync does by default."""
         data = self.content(rel)
-        self._seen(rel, data)
+        self._name(rel, self.serial)
+        self._version(rel, data)
         tmp = self.root / f".tmp{self.serial}"
         tmp.write_bytes(data)
         os.replace(tmp, self.root / rel)
+
+    def _forget(self, rel: str) -> None:
+        del self.tree[rel]
+        del self.file_of[rel]
 
     def step(self) -> None:
         before = dict(self.tree)
@@ -104,8 +121,8 @@ class Model:
             old = self.tree[rel]
             new = self.content(rel, len(old))
             with self.lock:
-                self.rewrites.setdefault(self.entry(rel), []).append((old, new))
-            self._seen(rel, new)
+                self.rewrites.setdefault(self.file_of[rel], []).append((old, new))
+            self._version(rel, new)
             path = self.root / rel
             before = path.stat()
             fd = os.open(path, os.O_WRONLY)
@@ -119,8 +136,8 @@ class Model:
             old = self.tree[rel]
             new = old + self.content(rel, rng.choice([100, 5000, 40_000]))
             with self.lock:
-                self.appends.setdefault(self.entry(rel), []).append((old, new))
-            self._seen(rel, new)
+                self.appends.setdefault(self.file_of[rel], []).append((old, new))
+            self._version(rel, new)
             with open(self.root / rel, "ab") as f:
                 f.write(new[len(old) :])
         elif op == "replace" and files:
@@ -128,7 +145,7 @@ class Model:
         elif op == "delete" and files:
             rel = rng.choice(files)
             os.unlink(self.root / rel)
-            del self.tree[rel]
+            self._forget(rel)
         elif op == "create":
             d = rng.choice([d for d in DIRS if (self.root / d).is_dir()] or [None])
             if d is not None:
@@ -138,42 +155,42 @@ class Model:
             d = rng.choice([d for d in DIRS if (self.root / d).is_dir()])
             dst = f"{d}/{rng.choice(NAMES)}"
             if dst != src:
-                self._seen(dst, self.tree[src])
+                data, file = self.tree[src], self.file_of[src]
+                self._name(dst, file)
+                self.tree[dst] = data
                 os.replace(self.root / src, self.root / dst)
-                del self.tree[src]
+                self._forget(src)
         elif op == "dir":
             present = [d for d in DIRS if (self.root / d).is_dir()]
             absent = [d for d in DIRS if d not in present]
-            if absent and present:
-                src, dst = rng.choice(present), rng.choice(absent)
-            else:
-                src, dst = rng.choice(present), None
-            if dst is None:  # every name is taken: make room by removing one
+            if not absent:  # every name is taken: make room by removing one
+                src = rng.choice(present)
                 for n in NAMES:
                     if f"{src}/{n}" in self.tree:
                         os.unlink(self.root / src / n)
-                        del self.tree[f"{src}/{n}"]
+                        self._forget(f"{src}/{n}")
                 os.rmdir(self.root / src)
                 with self.lock:
                     del self.dirs[src]
                 return
-            moved = {rel: data for rel, data in self.tree.items() if rel.startswith(src + "/")}
-            with self.lock:  # the entries go with their directory
+            src, dst = rng.choice(present), rng.choice(absent)
+            with self.lock:  # the names go with their directory
                 self.dirs[dst] = self.dirs.pop(src)
                 self.named.setdefault(dst, set()).add(self.dirs[dst])
             os.rename(self.root / src, self.root / dst)
-            for rel, data in moved.items():
-                del self.tree[rel]
-                self.tree[dst + rel[len(src) :]] = data
+            for rel in [r for r in self.tree if r.startswith(src + "/")]:
+                moved = dst + rel[len(src) :]
+                self.tree[moved], self.file_of[moved] = self.tree[rel], self.file_of[rel]
+                self._forget(rel)
 
     def check(self, rel: str, data: bytes) -> str | None:
-        """None when `data` is a version `rel` had, else what is wrong."""
+        """None when `data` is a version of a file `rel` named, else what is wrong."""
         d, _, name = rel.partition("/")
         with self.lock:
-            entries = [(k, name) for k in sorted(self.named[d])]
-            versions = set().union(*(self.versions.get(e, set()) for e in entries))
-            rewrites = [r for e in entries for r in self.rewrites.get(e, ())]
-            appends = [a for e in entries for a in self.appends.get(e, ())]
+            files = set().union(*(self.held.get((k, name), set()) for k in self.named[d]))
+            versions = set().union(*(self.versions.get(f, set()) for f in files))
+            rewrites = [r for f in files for r in self.rewrites.get(f, ())]
+            appends = [a for f in files for a in self.appends.get(f, ())]
         if data in versions:
             return None
         for old, new in rewrites:
@@ -184,7 +201,11 @@ class Model:
             if len(old) <= len(data) <= len(longer) and longer.startswith(data):
                 return None  # caught while the source appended
         known = sorted((len(v), v[:24]) for v in versions)
-        return f"{rel}: {len(data)} bytes starting {data[:24]!r}, not one of {known}"
+        k = max(len(os.path.commonprefix([data, v])) for v in versions) if versions else 0
+        return (
+            f"{rel}: {len(data)} bytes starting {data[:24]!r}, from byte {k} "
+            f"{data[k : k + 24]!r}, not one of {known}"
+        )
 
 
 def reader(mnt: Path, model: Model, stop: threading.Event, seed: int, out: list[str]) -> None:

@@ -309,14 +309,14 @@ async def test_a_reused_inode_number_of_another_type_replaces_the_node(tmp_path:
     (tmp_path / "dir" / "f").unlink()
     (tmp_path / "dir").rmdir()
     (tmp_path / "dir").symlink_to("/")
-    scan = ns._scan
+    scan = ns._scan_dir
 
-    def reused(path: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        names, rows, devs = scan(path)
+    def reused(path: bytes, st_ino: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        names, rows, devs = scan(path, st_ino)
         rows["st_ino"][names.index(b"dir")] = st_dir.st_ino
         return names, rows, devs
 
-    ns._scan = reused  # type: ignore[method-assign]
+    ns._scan_dir = reused  # type: ignore[method-assign]
     await ns.listing(ROOT_INODE)  # refreshed (revalidate 0): "dir" is now the symlink
     assert await ns.lookup(ROOT_INODE, b"dir") == (ino, ns.stat(ino))
     assert stat.S_ISLNK(ns.node(ino).st.st_mode)  # readlink answers; nothing lists "dir"
@@ -562,7 +562,8 @@ def test_mount_growing_file_costs_a_bounded_fetch(tmp_path: Path, mounter: Mount
             # Each read of the file is bounded by a size it had (looked up, or seen by the
             # open that met a new version) plus a margin: never unbounded.
             size = path.stat().st_size
-            assert 0 < used <= 4 * (4096 + (64 << 10)) + 2 * (size + max(64 << 10, size // 100))
+            # (Blocks of a version read whole before may come from RAM: no lower bound.)
+            assert used <= 4 * (4096 + (64 << 10)) + 2 * (size + (64 << 10) + size // 100)
     finally:
         stop.set()
         t.join()

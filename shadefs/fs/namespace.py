@@ -161,9 +161,14 @@ class Namespace(InodeNumbers, Resolving):
             ino = int(snap.ino[i])
             self.remember(ino, snap, i)
             return ino, snap.stat(i)
-        # Not listed: ask the source about this one name, and keep its row on its own.
-        ppath = self.path(parent)
-        st = await self.source.lstat(ppath + b"/" + name if ppath else name)
+        # Not listed: ask the source about this one name, and keep its row on its own. The
+        # name is looked up in the directory the parent is (its path may lead elsewhere now).
+        psnap, pi = self.locate(parent)
+        ppath, pino = psnap.child_path(pi), int(psnap.rows["st_ino"][pi])
+        rel = ppath + b"/" + name if ppath else name
+        dst, st = await self.source.run(self.source.paths.lstat_in, rel)
+        if dst.st_ino != pino:
+            raise self.stale(parent)
         ino = self.ino_of(st)
         _, rows, _ = scan_rows([(name, st)])
         snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), time.monotonic())
@@ -356,10 +361,11 @@ class Namespace(InodeNumbers, Resolving):
 
     def _scan_dir(self, path: bytes, st_ino: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """_scan of a node's directory, which must still be that inode (it may have been
-        renamed, and another directory made under its name)."""
-        if self.source.paths.lstat(path).st_ino != st_ino:
+        renamed, and another directory made under its name): checked on the listed fd."""
+        st, entries = self.source.paths.scandir_with_stat(path)
+        if st.st_ino != st_ino:
             raise _Moved(path)
-        return self._scan(path)
+        return scan_rows(entries if path else [e for e in entries if e[0] != NAME])
 
     def _scan(self, path: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """List `path` into snapshot columns (in a worker thread). The root's listing never

@@ -227,8 +227,11 @@ class Operations(pyfuse3.Operations):
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
                 raise
-            if entry is self.cache.entries.get(inode) or entry.sig == Signature.of(st):
-                break  # a hit (the cache checked its signature), or the version looked up
+            if entry is self.cache.entries.get(inode) or (
+                entry.sig == Signature.of(st) and len(entry.data) == st.st_size
+            ):
+                break  # a hit (the cache checked it), or the version looked up, whole
+            # (A fetch shared with an open that looked up a smaller size can be cut.)
             # The source had another version than the one looked up: make it the node's
             # (ESTALE if the path now leads to another file), and tell the kernel its size.
             try:
