@@ -13,7 +13,9 @@ write into the source may swap a file or a directory for a symlink at any moment
 daemon must never open anything outside it. A symlink met on the way is ELOOP.
 
 Fetches are bounded: a file is read up to the size that was looked up plus a small margin,
-however fast it grows while it is read (see `read_file`).
+however fast it grows while it is read (see `read_file`). A fetch is one version of the file:
+its fstat is taken before and after the read, and a read during which the file changed is
+retried once, then fails with EIO; it is never handed out as the file.
 
 The outage state is tracked here so that a dead server is logged once per outage, not once
 per request. A source that is remounted on the same path (a FUSE or automounted source that
@@ -297,31 +299,35 @@ class Source:
     # --- data -------------------------------------------------------------------------
 
     async def read_file(self, rel: bytes, size: int | None = None) -> tuple[bytes, os.stat_result]:
-        """The file's bytes and the fstat taken on the open descriptor.
+        """The file's bytes and the fstat taken on the open descriptor, unchanged by the
+        end of the read (else retried once, then EIO: a torn read is never returned).
 
         At most min(fstat size, `size`) plus a margin are read (`size`: what the caller
         looked up), so a file that grows while it is read costs a bounded fetch. The bytes
-        are a clean copy of the file only if len(data) == st.st_size (== `size` when given):
-        otherwise the file changed size since it was looked up or while it was read, and
-        the caller must not cache them as the file's content (they are still one read's
-        consistent prefix, fit to answer the reader that asked).
+        are the whole file only if len(data) == st.st_size; otherwise they are the start
+        of a version larger than `size` (and its fstat says how large).
         """
         data, st = await self.run(_read_bounded, self.paths, rel, size)
         self.bytes_read += len(data)
         return data, st
 
     async def open_fd(self, rel: bytes) -> int:
-        """A read descriptor for pass-through reads (regular files only); EMFILE when the
-        opening user holds its share of descriptors already (`FdBudget`)."""
+        """A read descriptor for pass-through reads (regular files only)."""
+        fd, _ = await self.open_file(rel)
+        return fd
+
+    async def open_file(self, rel: bytes) -> tuple[int, os.stat_result]:
+        """A read descriptor and its fstat (which file and version the reads will give);
+        EMFILE when the opening user holds its share of descriptors already (`FdBudget`)."""
         uid = OPENER.get()
         self.fds.take(uid)
         try:
-            fd, _ = await self.run(self.paths.open_regular, rel)
+            fd, st = await self.run(self.paths.open_regular, rel)
         except BaseException:
             self.fds.give_back(uid)
             raise
         self.fds.opened(fd, uid)
-        return fd
+        return fd, st
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         data = await self.run(os.pread, fd, size, off)
@@ -349,20 +355,34 @@ def _is_mount_point(path: bytes) -> bool:
 
 
 def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes, os.stat_result]:
-    fd, st = paths.open_regular(rel)
-    try:
-        want = st.st_size if size is None else min(st.st_size, size)
-        cap = want + max(_MARGIN, want // 100)
-        chunks = []
-        got = 0
-        while got < cap:
-            # What fstat promised first, then once more to see EOF (or that the file grew).
-            chunk = os.read(fd, min(max(want - got, _MARGIN), cap - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return data, st
-    finally:
-        os.close(fd)
+    for _ in range(2):
+        fd, st = paths.open_regular(rel)
+        try:
+            data = _read_fd(fd, st, size)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if _version(after) == _version(st):
+            return data, st
+        log.info("%r changed while it was read: reading it again", rel)
+    raise OSError(errno.EIO, "the file kept changing while it was read")
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int]:
+    # ctime moves with every write, also one that puts size and mtime back.
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_fd(fd: int, st: os.stat_result, size: int | None) -> bytes:
+    want = st.st_size if size is None else min(st.st_size, size)
+    cap = want + max(_MARGIN, want // 100)
+    chunks = []
+    got = 0
+    while got < cap:
+        # What fstat promised first, then once more to see EOF (or that the file grew).
+        chunk = os.read(fd, min(max(want - got, _MARGIN), cap - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

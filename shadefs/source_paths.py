@@ -193,14 +193,25 @@ class Resolver:
             return os.fstat(self.root_fd)
         return self._at(rel, _lstat_at)
 
+    def lstat_in(self, rel: bytes) -> tuple[os.stat_result, os.stat_result]:
+        """(fstat of the directory the entry was found in, the entry's lstat)."""
+        return self._at(rel, _lstat_with_parent)
+
     def readlink(self, rel: bytes) -> bytes:
         return self._at(rel, _readlink_at)
 
     def scandir(self, rel: bytes) -> list[tuple[bytes, os.stat_result]]:
         """The directory's entries with their lstat, sorted by name."""
+        return self.scandir_with_stat(rel)[1]
+
+    def scandir_with_stat(
+        self, rel: bytes
+    ) -> tuple[os.stat_result, list[tuple[bytes, os.stat_result]]]:
+        """The directory's own fstat (which directory was listed) and its entries."""
         fd = self.open(rel, DIR_READ)
         out = []
         try:
+            st = os.fstat(fd)
             # scandir works on its own duplicate of fd; its entries' stat() is an fstatat
             # relative to that directory, without following. Names come back as str from
             # a descriptor; fsencode gives back the exact bytes.
@@ -213,7 +224,7 @@ class Resolver:
         finally:
             os.close(fd)
         out.sort(key=lambda item: item[0])
-        return out
+        return st, out
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root_fd)
@@ -302,6 +313,10 @@ class Resolver:
 
 def _lstat_at(name: bytes, dir_fd: int) -> os.stat_result:
     return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _lstat_with_parent(name: bytes, dir_fd: int) -> tuple[os.stat_result, os.stat_result]:
+    return os.fstat(dir_fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _readlink_at(name: bytes, dir_fd: int) -> bytes:

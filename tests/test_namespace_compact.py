@@ -128,7 +128,7 @@ async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
     assert len(ns.table) == 1
 
 
-async def test_a_refreshed_listing_takes_over_unchanged_nodes(tmp_path: Path) -> None:
+async def test_a_refreshed_listing_takes_over_every_node(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"d/same": b"1", "d/changed": b"2"})
     ops, svc = make_fs(src, revalidate=0.5)
     ns = svc.namespace
@@ -140,16 +140,20 @@ async def test_a_refreshed_listing_takes_over_unchanged_nodes(tmp_path: Path) ->
     (src / "d" / "changed").write_bytes(b"longer")
     await readdir_names(ops, d)  # refreshed: readdirplus tells the kernel again
     new = ns._snaps[ns.listings[d]]
-    assert new is not old
+    assert new is not old and ns._snaps[old.slot] is None  # nothing points into it any more
     assert ns.locate(same)[0] is new and ns.node(same).lookups == 2
-    # The changed file keeps its own (old) stat until its next open notices the change.
-    assert ns.locate(changed)[0] is old and ns.stat(changed).st_size == 1
-    fh = (await ops.open(changed, os.O_RDONLY, CTX)).fh
-    assert await ops.read(fh, 0, 100) == b"longer"
-    await ops.release(fh)
-    assert ns.describe().changed_files == 1 and ns.stat(changed).st_size == 6
-    await ops.forget([(changed, 2)])
-    assert ns._snaps[old.slot] is None  # nothing points into the old snapshot any more
+    # The changed file takes its new stat at once (the kernel was just told it), and the
+    # kernel's pages of it are of the old version: its next open does not keep them.
+    assert ns.locate(changed)[0] is new and ns.stat(changed).st_size == 6
+    assert changed in ns.unsure and same not in ns.unsure
+    fi = await ops.open(changed, os.O_RDONLY, CTX)
+    assert not fi.keep_cache and changed not in ns.unsure
+    assert await ops.read(fi.fh, 0, 100) == b"longer"
+    await ops.release(fi.fh)
+    assert ns.describe().changed_files == 1
+    fi = await ops.open(changed, os.O_RDONLY, CTX)
+    assert fi.keep_cache  # the pages are of this version now
+    await ops.release(fi.fh)
 
 
 async def test_an_empty_directory_lists_as_empty(tmp_path: Path) -> None:

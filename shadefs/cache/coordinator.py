@@ -49,10 +49,12 @@ log = logging.getLogger(__name__)
 
 
 class Entry(NamedTuple):
-    """A resident file: its bytes and the signature of the source file they came from."""
+    """A resident file: its bytes, its source file's signature and hash() of the path it
+    was read by (an inode number reused within a timestamp tick has the same signature)."""
 
     data: bytes
     sig: Signature
+    where: int = 0
 
 
 class _Flight(Flight):
@@ -62,9 +64,7 @@ class _Flight(Flight):
         super().__init__()
         self.sig: Signature | None = None
         self.ahead = ahead  # started by the prefetcher, not by a reader
-        # False when the file changed size since it was looked up or while it was read:
-        # the bytes answer the readers of this flight but are never cached.
-        self.clean = True
+        self.clean = True  # the bytes are the whole file (else they are never cached)
 
 
 class Cache:
@@ -170,9 +170,13 @@ class Cache:
     # --- the data path ----------------------------------------------------------------
 
     async def open(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> bytes | None:
-        """The file's bytes for a new handle, or None when it must be read through; `pid`
-        is the reading thread (its job is looked up in `jobs`). The bytes returned are
-        pinned for the handle (`unpin` them when it is released)."""
+        entry = await self.open_entry(key, path, st, pid)  # its bytes only
+        return None if entry is None else entry.data
+
+    async def open_entry(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> Entry | None:
+        """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
+        None: read it through. `pid`: the reader (its job is looked up in `jobs`). A miss
+        may meet another version than `st`'s, or only its start if it grew past the bound."""
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
@@ -184,7 +188,7 @@ class Cache:
             prefetcher.observe(key)
         entry = self.entries.get(key)
         if entry is not None:
-            if entry.sig == sig:
+            if entry.sig == sig and entry.where == hash(path):
                 self.metrics.hits += 1
                 self.ram_hits += 1
                 self.policy.accessed(key, True, job)
@@ -193,18 +197,18 @@ class Cache:
                 reader.hits += 1
                 reader.bytes += st.st_size
                 self.handles.pin(entry.data, True)
-                return entry.data
+                return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
-        data = await self._miss(key, path, st, sig, reader)
-        if data is not None:
+        got = await self._miss(key, path, st, sig, reader)
+        if got is not None:
             entry = self.entries.get(key)
-            self.handles.pin(data, entry is not None and entry.data is data)
-        return data
+            self.handles.pin(got.data, entry is not None and entry.data is got.data)
+        return got
 
     async def _miss(
         self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job
-    ) -> bytes | None:
+    ) -> Entry | None:
         """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
@@ -214,8 +218,8 @@ class Cache:
                 self.metrics.hits += 1
                 reader.hits += 1
                 reader.bytes += st.st_size
-                self._admit(key, data, sig)
-                return data
+                self._admit(key, data, sig, hash(path))
+                return Entry(data, sig)
             ssd.missed(key, job)
         self.metrics.misses += 1
         reader.misses += 1
@@ -225,7 +229,7 @@ class Cache:
             data = prefetcher.take(key, sig)
             if data is not None:
                 self._adopt(key, path, data, sig)
-                return data
+                return Entry(data, sig)
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
@@ -237,28 +241,28 @@ class Cache:
             return None
         t0 = time.monotonic()
         try:
-            return await self._fetch(key, path, st.st_size)
+            return await self._fetch(key, path, st)
         finally:
             self.blocked += time.monotonic() - t0
 
-    async def _fetch(self, key: int, path: bytes, size: int) -> bytes:
+    async def _fetch(self, key: int, path: bytes, st: StatLike) -> Entry:
         flight = self._flights.get(key)
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
             data = await flight.result()
             assert flight.sig is not None
-            if flight.ahead and flight.clean:
+            if flight.ahead and flight.clean and flight.sig.ino == st.st_ino:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
                 if self.prefetcher is not None:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
-            return data
+            return Entry(data, flight.sig)
         flight = _Flight()
-        data, sig = await self._fly(key, path, flight, size)
-        if flight.clean:
+        data, sig = await self._fly(key, path, flight, st.st_size)
+        if flight.clean and sig.ino == st.st_ino:  # else the path leads to another file now
             self._adopt(key, path, data, sig)
-        return data
+        return Entry(data, sig)
 
     async def _fly(
         self, key: int, path: bytes, flight: _Flight, size: int | None
@@ -269,19 +273,17 @@ class Cache:
             self.fetchlog.note(key, len(data))
             flight.data = data
             flight.sig = sig = Signature.of(st)
-            flight.clean = len(data) == st.st_size and size in (None, st.st_size)
+            # Whole (never torn) unless it grew past the bound; maybe not the version looked up.
+            flight.clean = len(data) == st.st_size
             if not flight.clean:
-                log.debug("%r changed size while it was fetched: served, not cached", path)
+                log.debug("%r grew past the size looked up: not cached", path)
         return data, sig
 
     async def fetch_ahead(
         self, key: int, path: bytes, size: int | None = None
     ) -> tuple[bytes, Signature] | None:
-        """The prefetcher's fetch: shares single-flight with readers, admits nothing.
-
-        None when a reader is already fetching the file (the reader will cache it), or when
-        the file changed size since it was planned (a reader will fetch it afresh).
-        """
+        """The prefetcher's fetch: shares single-flight with readers, admits nothing. None
+        when a reader is fetching the file (and will cache it), or it grew past the bound."""
         if key in self._flights:
             return None
         flight = _Flight(ahead=True)
@@ -290,15 +292,15 @@ class Cache:
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""
-        self._admit(key, data, sig)
+        self._admit(key, data, sig, hash(path))
         if self.ssd is not None:
             self.ssd.offer(key, path, data, sig)
 
-    def _admit(self, key: int, data: bytes, sig: Signature) -> None:
+    def _admit(self, key: int, data: bytes, sig: Signature, where: int) -> None:
         if len(data) <= self.max_entry:  # larger ones are the SSD tier's or passed through
-            self.admit(key, data, sig)
+            self.admit(key, data, sig, where)
 
-    def admit(self, key: int, data: bytes, sig: Signature) -> None:
+    def admit(self, key: int, data: bytes, sig: Signature, where: int = 0) -> None:
         """Admit `data` under `key` if the policy makes room (blocks come in here too)."""
         size = len(data)
         if key in self.entries:
@@ -316,7 +318,7 @@ class Cache:
             log.error("policy %s returned too few victims; refusing", self.policy.name)
             self.refused += 1
             return
-        self.entries[key] = Entry(data, sig)
+        self.entries[key] = Entry(data, sig, where)
         self.used += size
         self.admitted += 1
         self.policy.inserted(key, size)

@@ -1,38 +1,31 @@
 """The inode <-> path table, stat snapshots and directory listings.
 
-Inode numbers are derived from the source's own (st_dev, st_ino): an entry on the source
-root's device gets `st_ino + INO_OFFSET`, anything else (a filesystem mounted inside the
-source) gets a number from a separate counter that is remembered for the life of the mount.
-So an inode keeps its number after the kernel forgets it and looks it up again, and the
-table only holds what the kernel currently references: `forget` removes entries whose
-lookup count drops to zero, and a million-file tree costs nothing until it is walked.
+Inode numbers come from the source's (st_dev, st_ino) (inode_numbers.py). The table only
+holds what the kernel references (`forget` drops the rest): a million-file tree costs
+nothing until it is walked. A directory is listed once (names plus lstat, in one worker
+thread); the snapshot answers readdir and lookups of its children until it is older than
+`revalidate`, then the next use (a lookup too) lists it again. A name in a directory that is
+not listed is asked of the source alone and kept as a one-row snapshot.
 
-The tree is read-only: a directory is listed once (names plus lstat, in one worker thread)
-and the snapshot answers readdir, lookup and negative lookup of its children without going
-back to the source. A name looked up in a directory that is not listed is asked of the
-source alone and kept as a one-row snapshot. Snapshots live as long as the kernel
-references their directory or an entry in them.
+Per-file state is compact (snapshots.py): a node is a snapshot row; its path is the
+snapshot's directory path plus the row's name. A node moves to the row the kernel last heard
+of it by (readdirplus, lookup): a refreshed listing, a rename, a hard link's other name, a
+reused inode number. A regular file whose stat changed on the way joins `unsure` (the
+kernel's pages may be of another version), a directory loses its listing. A path is only
+where a file was: an open whose path leads elsewhere gets ESTALE (`stale`), and the kernel's
+one retry looks the names up again (docs/developer-notes.md, "Identity").
 
-Per-file state is compact (snapshots.py): a known inode is a row of a snapshot, found through
-the inode table; its path is the snapshot's directory path plus the row's name. A refreshed
-snapshot lives while inodes point into it; each moves to the new one when the kernel hears of
-it again (readdirplus, lookup) unchanged, so a changed file is still found by `fresh_stat`.
-
-Revalidation: after `revalidate` seconds a snapshot is refreshed when it is next used, and a
-file's signature is checked again when it is next opened (`fresh_stat`). When the source is
-not answering, both fall back to what they have: a cached file keeps being served and `ls`
-keeps working on the last snapshot, instead of hanging with the source.
-
-The source never follows a symlink (see source.py). A path whose directory was swapped for a
-symlink after it was looked up fails with ELOOP, which counts here as "gone", like ENOENT:
-the refreshed parent listing shows the symlink as a symlink, and nothing is resolved through
-it (`resolve` answers missing, so control paths through it are refused).
+When the source is not answering, revalidation falls back to what it has: cached files keep
+being served and `ls` works on the last snapshot. The source never follows a symlink
+(source.py): a path through a directory swapped for a symlink fails with ELOOP, which counts
+as "gone" like ENOENT, and `resolve` answers it missing.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import stat
 import time
@@ -43,27 +36,32 @@ import pyfuse3
 import trio
 
 from shadefs.cache.ssd_format import Signature
+from shadefs.control.entries import NAME
 from shadefs.fs import records
-from shadefs.fs.records import Node, Resolved
+from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
+from shadefs.fs.kernel import forget_entry
+from shadefs.fs.records import Node
+from shadefs.fs.resolving import Resolving
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.source import Source
 from shadefs.stats import NamespaceStats
 
 log = logging.getLogger(__name__)
 
-ROOT_INODE = pyfuse3.ROOT_INODE
-# Inodes 2..INO_OFFSET-1 belong to the control directory (see control.py).
-INO_OFFSET = 16
-_FOREIGN_BASE = 1 << 62
-_MAX_INO = (1 << 64) - 1
 # Errors saying that a path no longer leads to what was looked up (ELOOP: a component on it
 # is now a symlink, which the source refuses to follow).
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# A node's path that no longer leads to it (the open answers ESTALE; ELOOP stays ELOOP).
+_MOVED = (errno.ENOENT, errno.ENOTDIR)
 _ROW = 0xFFFFFFFF
 _OPENED_KEPT = 4096
 
 
-class Namespace:
+class _Moved(Exception):
+    """A directory's path leads to another directory now (raised in a worker thread)."""
+
+
+class Namespace(InodeNumbers, Resolving):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -96,6 +94,9 @@ class Namespace:
         # Records of the files opened last (at most _OPENED_KEPT): a hot file's reopen skips
         # rebuilding them. Dropped when the row or stat changes (_move, forget, fresh_stat).
         self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
+        #: inodes whose kernel pages may be of another version than their row: the next
+        #: open of each drops them (operations.py); small, only changed files are in it
+        self.unsure: set[int] = set()
 
     def describe(self) -> NamespaceStats:
         return NamespaceStats(
@@ -104,40 +105,6 @@ class Namespace:
             inodes_known=len(self.table),
             directories_listed=len(self.listings),
         )
-
-    # --- inode numbers ----------------------------------------------------------------
-
-    def key_of_ino(self, st_ino: int) -> int:
-        """The inode number of a source inode on the root's device (for restored entries)."""
-        ino = st_ino + INO_OFFSET
-        return ROOT_INODE if st_ino == self.root_ino else ino
-
-    def ino_of(self, st: os.stat_result) -> int:
-        if st.st_dev == self.dev:
-            if st.st_ino == self.root_ino:
-                return ROOT_INODE
-            ino = st.st_ino + INO_OFFSET
-            if ino < _FOREIGN_BASE:
-                return ino
-        return self._foreign_ino(st.st_dev, st.st_ino)
-
-    def _foreign_ino(self, dev: int, st_ino: int) -> int:
-        key = (dev, st_ino)
-        known = self._foreign.get(key)
-        if known is not None:
-            return known
-        ino = _FOREIGN_BASE + len(self._foreign)
-        if ino > _MAX_INO:
-            raise pyfuse3.FUSEError(errno.EOVERFLOW)
-        self._foreign[key] = ino
-        return ino
-
-    def _inos(self, rows: np.ndarray, devs: np.ndarray) -> np.ndarray:
-        """ino_of for a whole listing: vectorised, foreign entries one by one."""
-        out, odd = records.local_inos(rows, devs, self.dev, self.root_ino, INO_OFFSET)
-        for j in np.flatnonzero(odd | (out >= np.uint64(_FOREIGN_BASE))).tolist():
-            out[j] = self._foreign_ino(int(devs[j]), int(rows["st_ino"][j]))
-        return out
 
     # --- the table ----------------------------------------------------------------------
 
@@ -186,15 +153,22 @@ class Namespace:
         if slot is not None:
             snap = self._snaps[slot]
             assert snap is not None
+            if time.monotonic() - snap.stamp >= self.revalidate:
+                snap = await self.listing(parent)  # aged: a new name may be there now
             i = snap.find(name)
             if i < 0:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             ino = int(snap.ino[i])
             self.remember(ino, snap, i)
             return ino, snap.stat(i)
-        # Not listed: ask the source about this one name, and keep its row on its own.
-        ppath = self.path(parent)
-        st = await self.source.lstat(ppath + b"/" + name if ppath else name)
+        # Not listed: ask the source about this one name, and keep its row on its own. The
+        # name is looked up in the directory the parent is (its path may lead elsewhere now).
+        psnap, pi = self.locate(parent)
+        ppath, pino = psnap.child_path(pi), int(psnap.rows["st_ino"][pi])
+        rel = ppath + b"/" + name if ppath else name
+        dst, st = await self.source.run(self.source.paths.lstat_in, rel)
+        if dst.st_ino != pino:
+            raise self.stale(parent)
         ino = self.ino_of(st)
         _, rows, _ = scan_rows([(name, st)])
         snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), time.monotonic())
@@ -218,16 +192,28 @@ class Namespace:
         assert old is not None
         old.lookups[oi] += 1
         if old is snap:
-            return
-        if stat.S_IFMT(int(old.rows["st_mode"][oi])) != stat.S_IFMT(int(snap.rows["st_mode"][i])):
-            # The inode number was reused by an entry of another type (a file or directory
-            # swapped for a symlink): the node describes something gone.
+            return  # a hard link's other name in the same listing: one path is enough
+        # The newest row the kernel heard of is the node: a refreshed listing (so that the
+        # old one can go), a rename, a hard link's other name, a reused inode number.
+        ost, nst = old.stat(oi), snap.stat(i)
+        if stat.S_IFMT(ost.st_mode) != stat.S_IFMT(nst.st_mode):
+            # Reused by an entry of another type (a file or directory swapped for a
+            # symlink): the node describes something gone.
             self._move(ino, old, oi, snap, i, time.monotonic())
             self._drop_listing(ino)
-        elif old.dirino == snap.dirino and Signature.of(old.stat(oi)) == Signature.of(snap.stat(i)):
-            # Unchanged in a refreshed listing: follow it, so that the old one can go. A
-            # changed one keeps its own stat until fresh_stat notices the change.
+        elif Signature.of(ost) == Signature.of(nst):
+            moved_dir = stat.S_ISDIR(nst.st_mode) and old.child_path(oi) != snap.child_path(i)
             self._move(ino, old, oi, snap, i, float(old.checked[oi]))
+            if moved_dir:
+                self._drop_listing(ino)  # listed under its old path: list it again
+        else:
+            # Another version (or another file under a reused number): the kernel was just
+            # told its new attributes; its pages may still be the old version's.
+            self._move(ino, old, oi, snap, i, time.monotonic())
+            self._drop_listing(ino)
+            if stat.S_ISREG(nst.st_mode):
+                self.unsure.add(ino)
+                self.changed_files += 1
 
     def remember_rows(self, snap: Snapshot, lo: int, hi: int) -> None:
         """`remember` rows lo..hi-1 of `snap` (what readdirplus handed out). A row with a
@@ -282,6 +268,7 @@ class Namespace:
             snap.lookups[i] = 0
             table.pop(ino)
             self._opened.pop(ino, None)
+            self.unsure.discard(ino)  # the kernel's inode and its pages are gone
             self._drop_listing(ino)
             self._release(snap)
 
@@ -302,7 +289,6 @@ class Namespace:
             self._maybe_free(snap)
 
     def _place(self, snap: Snapshot) -> None:
-        """Give `snap` a slot in the snapshot list."""
         if self._free:
             snap.slot = self._free.pop()
             self._snaps[snap.slot] = snap
@@ -360,7 +346,10 @@ class Namespace:
         path = dsnap.child_path(di)
         flight = self._listing_flights[ino] = trio.Event()
         try:
-            names, rows, devs = await self.source.run(self._scan, path)
+            st_ino = int(dsnap.rows["st_ino"][di])
+            names, rows, devs = await self.source.run(self._scan_dir, path, st_ino)
+        except _Moved:
+            raise self.stale(ino) from None
         finally:
             del self._listing_flights[ino]
             flight.set()
@@ -370,28 +359,43 @@ class Namespace:
             self._adopt(snap)
         return snap
 
+    def _scan_dir(self, path: bytes, st_ino: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """_scan of a node's directory, which must still be that inode (it may have been
+        renamed, and another directory made under its name): checked on the listed fd."""
+        st, entries = self.source.paths.scandir_with_stat(path)
+        if st.st_ino != st_ino:
+            raise _Moved(path)
+        return scan_rows(entries if path else [e for e in entries if e[0] != NAME])
+
     def _scan(self, path: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        """List `path` into snapshot columns (in a worker thread)."""
-        return scan_rows(self.source.paths.scandir(path))
+        """List `path` into snapshot columns (in a worker thread). The root's listing never
+        shows a `.shadefs` of the source: that name is the control directory's."""
+        entries = self.source.paths.scandir(path)
+        if not path:
+            entries = [e for e in entries if e[0] != NAME]
+        return scan_rows(entries)
 
-    async def fresh_stat(self, ino: int) -> tuple[Stat, bool]:
-        """The file's stat, checked against the source if `revalidate` has passed.
-
-        Returns (stat, changed). A file that vanished raises ENOENT; a source that does not
-        answer leaves the old stat in place (its cached bytes stay servable).
-        """
+    async def fresh_stat(self, ino: int, *, force: bool = False) -> tuple[Stat, bool]:
+        """(stat, changed): checked against the source if `revalidate` has passed or on
+        `force`. A change updates the row and puts the inode in `unsure`; a path that leads
+        to another inode or to nothing raises ESTALE; a source that does not answer leaves
+        the old stat (its cached bytes stay servable), unless `force`."""
         snap, i = self.locate(ino)
         old = snap.stat(i)
         now = time.monotonic()
-        if now - snap.checked[i] < self.revalidate or not self.source.healthy:
+        if not force and (now - snap.checked[i] < self.revalidate or not self.source.healthy):
             return old, False
         path = snap.child_path(i)
         try:
             st = await self.source.lstat(path)
         except pyfuse3.FUSEError as exc:
-            if exc.errno in _GONE:
+            if exc.errno in _MOVED:
+                raise self.stale(ino) from None
+            if exc.errno in _GONE or force:
                 raise
             return old, False
+        if self.ino_of(st) != ino or stat.S_IFMT(st.st_mode) != stat.S_IFMT(old.st_mode):
+            raise self.stale(ino)  # the path names another file now
         self.revalidations += 1
         changed = Signature.of(st) != Signature.of(old)
         val = self.table.get(ino)  # where the inode is now (it may have moved or gone)
@@ -401,50 +405,30 @@ class Namespace:
             if changed:
                 snap.set_stat(i, st)
                 self._opened.pop(ino, None)
+                self.unsure.add(ino)
         if not changed:
             return old, False
         self.changed_files += 1
         log.info("%r changed on the source: refetching", path)
         return Stat.of(st), True
 
+    def stale(self, ino: int) -> pyfuse3.FUSEError:
+        """ESTALE for a node whose path no longer leads to it. The kernel's one retry looks
+        the names up again: the parent's listing is aged so that the source answers."""
+        val = self.table.get(ino)
+        if val >= 0:
+            snap = self._snaps[val >> 32]
+            assert snap is not None
+            slot = self.listings.get(snap.dirino)
+            listing = self._snaps[slot] if slot is not None else None
+            if listing is not None:
+                listing.stamp = -math.inf
+            self._opened.pop(ino, None)
+            i = val & _ROW
+            if snap.dirino:  # not the root: the kernel forgets the name, and asks again
+                forget_entry(snap.dirino, snap.name(i))
+            log.info("%r no longer leads to inode %d: ESTALE", snap.child_path(i), ino)
+        return pyfuse3.FUSEError(errno.ESTALE)
+
     def attrs(self, ino: int, st: Stat | os.stat_result) -> pyfuse3.EntryAttributes:
         return records.attrs(ino, st, self.timeout)
-
-    # --- resolving paths that the kernel has not looked up ------------------------------
-
-    async def resolve(self, paths: Sequence[bytes]) -> Resolved:
-        """Inode, size and mode of many relative paths, listing each parent directory once.
-
-        Used for the sampler's file list and the residency queries: a million paths in a
-        thousand class directories cost a thousand source listings, not a million lstats
-        (none for a directory whose snapshot is fresh: it is what lookups answer from), and
-        the answer is three arrays. A path that does not exist, or whose parent is not a
-        directory or is reached through a symlink, gets mode 0. Nothing is kept.
-        """
-        splits, by_dir = records.by_parent(paths)
-        out = Resolved.empty(len(paths))
-        fresh = self._fresh_listings()
-        for parent, idxs in by_dir.items():
-            snap = fresh.get(parent)
-            if snap is not None:
-                names, rows, inos = snap.name_list(), snap.rows, snap.ino
-            else:
-                try:
-                    names, rows, devs = await self.source.run(self._scan, parent)
-                except pyfuse3.FUSEError as exc:
-                    if exc.errno in _GONE:
-                        continue
-                    raise
-                inos = self._inos(rows, devs)
-            out.fill(idxs, [splits[i][2] for i in idxs], names, rows, inos)
-        return out
-
-    def _fresh_listings(self) -> dict[bytes, Snapshot]:
-        """The current snapshots younger than `revalidate`, by directory path."""
-        now = time.monotonic()
-        out = {}
-        for slot in self.listings.values():
-            snap = self._snaps[slot]
-            if snap is not None and now - snap.stamp < self.revalidate:
-                out[snap.path] = snap
-        return out

@@ -31,10 +31,12 @@ from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.ssd_format import StatLike
+from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
-from shadefs.fs.namespace import ROOT_INODE, Namespace
+from shadefs.fs.inode_numbers import ROOT_INODE
+from shadefs.fs.kernel import invalidate_attrs
+from shadefs.fs.namespace import Namespace
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.xattrs import Xattrs
 from shadefs.source import OPENER, Source
@@ -47,23 +49,13 @@ OpsT = TypeVar("OpsT")
 
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
+# Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
+_MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
 def _erofs() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
-
-
-async def _invalidate_attrs(inode: InodeT) -> None:
-    """Make the kernel forget a changed file's attributes (size, mtime).
-
-    Attribute-only invalidation takes no page locks, and it runs in a thread, so it cannot
-    wait on a request that this thread would have to answer.
-    """
-    try:
-        await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, True)
-    except Exception as exc:  # no FUSE session (handler tests) or the inode is gone
-        log.debug("invalidate_inode(%d) failed: %s", inode, exc)
 
 
 def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -120,6 +112,7 @@ class Operations(pyfuse3.Operations):
         self.xattrs = Xattrs(ns, source)
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
+        self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -225,41 +218,94 @@ class Operations(pyfuse3.Operations):
         if flags & _WRITE_FLAGS:
             raise _erofs()
         st, path, checked = self.ns.opening(inode)
-        changed = False
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         if time.monotonic() - checked >= self.ns.revalidate:
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
-                await _invalidate_attrs(inode)
-        if st.st_size > self.cache.whole_max:  # the one added test on the hit path
-            blocks = self.blocks
-            if blocks is not None and blocks.applies(st.st_size):
-                return await self._open_blocks(blocks, inode, path, st, changed)
-        data = await self.cache.open(inode, path, st, ctx.pid)
+                await invalidate_attrs(inode)
+        for _ in range(2):
+            if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+                blocks = self.blocks
+                if blocks is not None and blocks.applies(st.st_size):
+                    return await self._open_blocks(blocks, inode, path, st)
+            try:
+                entry = await self.cache.open_entry(inode, path, st, ctx.pid)
+                if entry is None:  # read through: the kernel may keep no pages of it
+                    return await self._open_through(inode, path, st)
+            except pyfuse3.FUSEError as exc:
+                if exc.errno in _MOVED:
+                    raise self.ns.stale(inode) from None
+                raise
+            if entry is self.cache.entries.get(inode) or (
+                entry.sig == Signature.of(st) and len(entry.data) == st.st_size
+            ):
+                break  # a hit (the cache checked it), or the version looked up, whole
+            # (A fetch shared with an open that looked up a smaller size can be cut.)
+            # The source had another version than the one looked up: make it the node's
+            # (ESTALE if the path now leads to another file), and tell the kernel its size.
+            try:
+                st, _ = await self.ns.fresh_stat(inode, force=True)
+                await invalidate_attrs(inode)
+            except BaseException:
+                self.cache.unpin(entry.data)
+                raise
+            if entry.sig == Signature.of(st) and len(entry.data) == st.st_size:
+                break
+            self.cache.unpin(entry.data)
+        else:  # it changed again: never serve a version that no open asked for
+            raise pyfuse3.FUSEError(errno.EIO)
+        self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
+        if inode not in self.ns.unsure:  # the hit path: the kernel's pages are this version
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return self._file_info(fh, inode)
+
+    async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
+        fd, now = await self.source.open_file(path)
+        try:
+            if Signature.of(now) != Signature.of(st):
+                # Another version than looked up: the node's now (ESTALE: another file).
+                await self.ns.fresh_stat(inode, force=True)
+                await invalidate_attrs(inode)
+        except BaseException:
+            await self.source.close_fd(fd)
+            raise
+        self._fds[fh := self._handle(inode)] = fd
+        return self._file_info(fh, inode, keep=False)
+
+    def _handle(self, inode: int) -> FileHandleT:
+        """A new file handle of `inode`."""
         fh = self._next_fh
         self._next_fh += 1
-        if data is not None:
-            self._mem[fh] = memoryview(data)  # pinned by cache.open, unpinned at release
-            # Without keep_cache the kernel drops the file's old pages as it opens it: the
-            # page-cache invalidation of a changed file, with no reverse call that could
-            # deadlock against a read in flight (reference/fuse-anchors.md §2).
-            return pyfuse3.FileInfo(fh=fh, keep_cache=not changed)
-        self._fds[fh] = await self.source.open_fd(path)
-        # Pass-through files are not resident: do not let the kernel keep stale pages.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        self._inode_of[fh] = inode
+        return fh
+
+    def _file_info(self, fh: FileHandleT, inode: int, keep: bool = True) -> pyfuse3.FileInfo:
+        """keep_cache when the kernel's pages of `inode` are of the version this handle
+        serves: not when it is `unsure` (another version was seen since the kernel last
+        filled them). Without keep_cache the kernel drops the inode's pages as it opens the
+        file: an invalidation with no reverse call that could deadlock against a read in
+        flight (reference/fuse-anchors.md §2). But while other handles of the inode are
+        open, their reads would fill the pages again with their own version, and ours
+        theirs: this handle then bypasses the page cache (direct_io) until they close."""
+        if inode in self.ns.unsure:
+            # Counted only here (rarely): a count kept per open would cost every hit.
+            if sum(1 for i in self._inode_of.values() if i == inode) > 1:
+                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=True)  # theirs
+            if keep:  # a pass-through handle fills pages with whatever the source has now
+                self.ns.unsure.discard(inode)
+            keep = False
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def _open_blocks(
-        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike, changed: bool
+        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
     ) -> pyfuse3.FileInfo:
         """A large file, cached in blocks (cache/blocks.py)."""
         handle, resident = await blocks.open(inode, path, st)
-        fh = self._next_fh
-        self._next_fh += 1
-        self._blk[fh] = handle
+        self._blk[fh := self._handle(inode)] = handle
         # Only a file whose every block is resident may keep the kernel's pages: otherwise
         # they could outlive a change that this open has just revalidated.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=resident and not changed)
+        return self._file_info(fh, inode, keep=resident)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
@@ -277,6 +323,7 @@ class Operations(pyfuse3.Operations):
         return chunk
 
     async def release(self, fh: FileHandleT) -> None:
+        self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
             self.cache.unpin(cast(bytes, mv.obj))

@@ -12,12 +12,31 @@ import pyfuse3
 
 from shadefs.fs.snapshots import Stat
 
+# The kernel keeps a 32-bit generation per inode (i_generation).
+_GEN_MASK = 0xFFFFFFFF
+_S_IFMT = 0o170000
+_S_IFDIR = 0o040000
+
+
+def generation(mode: int, ctime_ns: int) -> int:
+    """The FUSE generation of an entry: the low bits of its ctime, 0 for a directory.
+
+    A file's identity is (device, inode, the version the daemon saw). When a lookup answers
+    an inode number the kernel knows with another generation, the kernel retires its old
+    inode (I/O on it fails, its dentries are looked up again) and starts a new one with an
+    empty page cache: a reused inode number, or a file replaced since the kernel looked it
+    up, can never be served under the old entry's name or pages. ctime moves with every
+    change (a writer cannot set it back). A directory keeps generation 0: its ctime moves
+    whenever an entry is added, and retiring it would break every open handle below it.
+    """
+    return 0 if mode & _S_IFMT == _S_IFDIR else ctime_ns & _GEN_MASK
+
 
 def attrs_of_row(ino: int, row: tuple[int, ...], timeout: float) -> pyfuse3.EntryAttributes:
     """attrs() of a snapshot row's tolist() (readdir's loop: no Stat built)."""
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
-    a.generation = 0
+    a.generation = 0 if row[0] & _S_IFMT == _S_IFDIR else row[7] & _GEN_MASK
     a.entry_timeout = timeout
     a.attr_timeout = timeout
     (
@@ -40,7 +59,7 @@ def attrs_of_row(ino: int, row: tuple[int, ...], timeout: float) -> pyfuse3.Entr
 def attrs(ino: int, st: Stat | os.stat_result, timeout: float) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
-    a.generation = 0
+    a.generation = generation(st.st_mode, st.st_ctime_ns)
     a.entry_timeout = timeout
     a.attr_timeout = timeout
     a.st_mode = st.st_mode

@@ -1,0 +1,198 @@
+"""A file's identity at the handlers and the source (no mount): torn fetches, versions met
+by an open, generations, handles of two versions, and the control directory's name."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pyfuse3
+import pytest
+
+from shadefs import source as source_mod
+from shadefs.control.entries import NAME
+from shadefs.fs.inode_numbers import ROOT_INODE
+from shadefs.fs.records import attrs_of_row, generation
+from shadefs.source import Source
+from tests.conftest import make_tree
+from tests.test_fs_api import CTX, lookup_path, make_fs, readdir_names
+
+OLD, NEW = b"o" * 100_000, b"n" * 100_000
+
+
+def rewrite_during_reads(monkeypatch: pytest.MonkeyPatch, f: Path, times: int) -> list[int]:
+    """Rewrite `f` in place (same size, the other version) during the next `times` fetches
+    of the source, between their first fstat and the one after the read."""
+    real = source_mod._read_fd
+    done = [0]
+
+    def torn(fd: int, st: os.stat_result, size: int | None) -> bytes:
+        data = real(fd, st, size)
+        if done[0] < times:
+            done[0] += 1
+            cur = f.read_bytes()
+            with open(f, "r+b") as fh:
+                fh.write(NEW if cur == OLD else OLD)
+        return data
+
+    monkeypatch.setattr(source_mod, "_read_fd", torn)
+    return done
+
+
+async def test_a_fetch_torn_by_a_rewrite_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "f").write_bytes(OLD)
+    s = Source(os.fsencode(tmp_path))
+    rewrite_during_reads(monkeypatch, tmp_path / "f", 1)
+    data, st = await s.read_file(b"f", len(OLD))
+    # The first read met the rewrite; the second is the new version, whole, with its fstat.
+    assert data == NEW and (st.st_size, st.st_ctime_ns) == (
+        (tmp_path / "f").stat().st_size,
+        (tmp_path / "f").stat().st_ctime_ns,
+    )
+
+
+async def test_a_fetch_torn_twice_is_eio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "f").write_bytes(OLD)
+    s = Source(os.fsencode(tmp_path))
+    rewrite_during_reads(monkeypatch, tmp_path / "f", 2)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await s.read_file(b"f", len(OLD))
+    assert e.value.errno == errno.EIO
+
+
+async def test_an_open_that_meets_a_new_version_serves_it_whole_without_keep_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_tree(tmp_path / "src", {"f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20)
+    ino = await lookup_path(ops, "f")
+    rewrite_during_reads(monkeypatch, src / "f", 1)  # the first fetch races a rewrite
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
+    # The kernel may hold pages of the version it looked up: they are not kept, and the
+    # node takes the version served (size, ctime).
+    assert not fi.keep_cache and not fi.direct_io
+    assert svc.namespace.stat(ino).st_ctime_ns == (src / "f").stat().st_ctime_ns
+    await ops.release(fi.fh)
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert fi.keep_cache and svc.metrics.hits == 1  # the whole new version was cached
+    assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
+    await ops.release(fi.fh)
+
+
+async def test_an_open_whose_fetch_keeps_tearing_is_eio_and_caches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_tree(tmp_path / "src", {"f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20)
+    ino = await lookup_path(ops, "f")
+    rewrite_during_reads(monkeypatch, src / "f", 2)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    assert e.value.errno == errno.EIO
+    assert svc.cache.used == 0 and svc.cache.handles.held == 0
+
+
+async def test_a_second_version_opened_beside_the_first_bypasses_the_page_cache(
+    tmp_path: Path,
+) -> None:
+    src = make_tree(tmp_path / "src", {"f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20, revalidate=0.0)
+    ino = await lookup_path(ops, "f")
+    first = await ops.open(ino, os.O_RDONLY, CTX)
+    assert first.keep_cache
+    (src / "f").write_bytes(NEW)
+    second = await ops.open(ino, os.O_RDONLY, CTX)  # revalidate 0: sees the change
+    # `first` fills the kernel's pages with the old version: `second` must not read them,
+    # nor fill them with the new one under `first`.
+    assert second.direct_io
+    assert bytes(await ops.read(first.fh, 0, 10)) == OLD[:10]
+    assert bytes(await ops.read(second.fh, 0, 10)) == NEW[:10]
+    await ops.release(first.fh)
+    third = await ops.open(ino, os.O_RDONLY, CTX)  # `second` is open, of the new version
+    assert third.direct_io
+    await ops.release(second.fh)
+    await ops.release(third.fh)
+    fourth = await ops.open(ino, os.O_RDONLY, CTX)  # alone: the kernel drops the old pages
+    assert not fourth.direct_io and not fourth.keep_cache
+    await ops.release(fourth.fh)
+    fifth = await ops.open(ino, os.O_RDONLY, CTX)
+    assert fifth.keep_cache
+    await ops.release(fifth.fh)
+    assert ino not in svc.namespace.unsure and not ops._inode_of
+
+
+async def test_a_path_that_leads_to_another_file_is_estale(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"d/x": OLD})
+    ops, svc = make_fs(src, ram=8 << 20)
+    ino = await lookup_path(ops, "d/x")
+    (src / "d" / "y").write_bytes(NEW)
+    os.replace(src / "d" / "y", src / "d" / "x")  # renamed over: another inode
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    assert e.value.errno == errno.ESTALE  # the kernel looks the name up again once
+    new = await lookup_path(ops, "d/x")
+    assert new != ino
+    fi = await ops.open(new, os.O_RDONLY, CTX)
+    assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
+    await ops.release(fi.fh)
+    assert svc.cache.used == len(NEW)  # the other file's bytes were never cached
+
+
+async def test_generations_follow_the_version_of_files_only(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"d/f": b"x"})
+    ops, _ = make_fs(src)
+    f = await ops.lookup(await lookup_path(ops, "d"), b"f", CTX)
+    st = (src / "d" / "f").lstat()
+    assert f.generation == generation(st.st_mode, st.st_ctime_ns) == st.st_ctime_ns & 0xFFFFFFFF
+    assert (await ops.lookup(ROOT_INODE, b"d", CTX)).generation == 0  # directories: 0
+    row = (stat.S_IFDIR | 0o755, 2, 0, 0, 0, 0, 0, 12345, 7, 0, 0, 4096)
+    assert attrs_of_row(23, row, 1.0).generation == 0
+    row = (stat.S_IFREG | 0o644, *row[1:])
+    assert attrs_of_row(23, row, 1.0).generation == 12345
+
+
+async def test_a_shadefs_of_the_source_is_never_listed_nor_looked_up(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {".shadefs/stats": b"forged", "a": b"1"})
+    ops, svc = make_fs(src)
+    assert await readdir_names(ops, ROOT_INODE) == [b"a"]
+    entry = await ops.lookup(ROOT_INODE, NAME, CTX)
+    assert entry.st_ino == 2  # the control directory's
+    found = await svc.namespace.resolve([b".shadefs/stats", b"a"])
+    assert found.mode[0] == 0 and found.mode[1] != 0
+
+
+async def test_a_reused_inode_number_with_the_same_signature_under_another_name_misses(
+    tmp_path: Path,
+) -> None:
+    # Within one timestamp tick a freed inode number can come back at the same size: the
+    # same (size, mtime, ctime, inode). The path it is read by tells the two files apart.
+    src = make_tree(tmp_path / "src", {"d/a": OLD, "d/b": NEW})
+    ops, svc = make_fs(src, ram=8 << 20)
+    st = os.lstat(src / "d" / "a")
+    assert await svc.cache.open(99, b"d/a", st) == OLD
+    assert await svc.cache.open(99, b"d/a", st) == OLD and svc.metrics.hits == 1
+    # "d/b" posing as the same inode and signature: not a hit, read by its own path.
+    assert await svc.cache.open(99, b"d/b", st) == NEW and svc.metrics.hits == 1
+
+
+async def test_a_file_read_through_that_changed_takes_its_new_version(tmp_path: Path) -> None:
+    big = b"b" * (300 << 10)  # over the RAM tier's largest entry: read through
+    src = make_tree(tmp_path / "src", {"d/x": big})
+    ops, svc = make_fs(src, ram=1 << 20, passthrough_above=200 << 10)
+    ino = await lookup_path(ops, "d/x")
+    with open(src / "d" / "x", "ab") as f:
+        f.write(b"c" * 1000)  # grown since the kernel looked it up
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert ops._fds and not fi.keep_cache
+    assert svc.namespace.stat(ino).st_size == len(big) + 1000  # what getattr now answers
+    await ops.release(fi.fh)
+    (src / "d" / "y").write_bytes(big)
+    os.replace(src / "d" / "y", src / "d" / "x")  # renamed over: another file
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    assert e.value.errno == errno.ESTALE and not ops._fds
