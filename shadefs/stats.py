@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,7 +36,15 @@ VERSION = 1  # of the stats.json document
 class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
-    __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started")
+    __slots__ = (
+        "hits",
+        "misses",
+        "bytes_served",
+        "passthrough_opens",
+        "control_errors",
+        "requests",
+        "started",
+    )
 
     def __init__(self) -> None:
         self.hits = 0
@@ -43,6 +52,8 @@ class Metrics:
         self.bytes_served = 0
         self.passthrough_opens = 0
         self.control_errors = 0
+        # FUSE requests by handler name (fs/operations.py counts them): requests per sample.
+        self.requests: Counter[str] = Counter()
         self.started = time.time()
 
     def describe(self) -> Counters:
@@ -52,6 +63,7 @@ class Metrics:
             bytes_served=self.bytes_served,
             passthrough_opens=self.passthrough_opens,
             control_errors=self.control_errors,
+            requests=dict(sorted(self.requests.items())),
         )
 
 
@@ -67,6 +79,7 @@ class Counters:
     bytes_served: int
     passthrough_opens: int
     control_errors: int
+    requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,268 @@
+"""The daemon's CPU per opened file, against the floor of pyfuse3 + trio, in one run.
+
+    python tools/bench/bench_cpu.py [--files 20000] [--size 4096] [--readers 4]
+                                    [--profile DIR] [--only floor shadefs ...]
+
+The method (issue 21): FILES files of SIZE bytes on local disk, a RAM budget that holds all
+of them. READERS reader processes read every file once in a shuffled order (cold: every
+open a miss), then twice more (warm: every open a hit). The figure is the daemon's own CPU
+time, utime + stime of all its threads from /proc/PID/stat, divided by the opens: it hardly
+depends on what else runs on the machine, unlike the wall-clock files/s printed beside it.
+
+The floor is `floorfs.py` (beside this script): a minimal pyfuse3 + trio filesystem that
+serves the same tree from memory with keep_cache and long timeouts and does nothing else,
+measured in the same run. No Python pyfuse3 daemon serves a file with less work; the ratios
+are shadefs's figures divided by it. The cold figure is also measured with --no-speculate
+and with --no-prefetch.
+
+Requests per sample come from each daemon's own counters (shadefs's stats.json `requests`,
+floorfs's `user.floorfs.requests` xattr). With --profile DIR, py-spy (pip install py-spy;
+root can attach to any process) records each pass into DIR/<config>-<pass>.txt as collapsed
+stacks, and the top entries (own and total time) are printed; sampling disturbs the
+figures, so profile in a separate run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchlib import (
+    mounted,
+    process_cpu,
+    read_files,
+    slowfs_mounted,
+    stats,
+    worker_pool,
+)
+
+FLOORFS = Path(__file__).with_name("floorfs.py")
+
+#: name -> extra mount options; "floor" is floorfs.py. Only the default config runs warm.
+CONFIGS: dict[str, tuple[str, ...] | None] = {
+    "floor": None,
+    "shadefs": (),
+    "no-speculate": ("--no-speculate",),
+    "no-prefetch": ("--no-prefetch",),
+}
+
+
+@dataclass
+class Pass:
+    """One measured pass (or several, summed): opens, the daemon's CPU, wall time, requests."""
+
+    opens: int = 0
+    cpu: float = 0.0
+    wall: float = 0.0
+    requests: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: Pass) -> None:
+        self.opens += other.opens
+        self.cpu += other.cpu
+        self.wall += other.wall
+        self.requests.update(other.requests)
+
+    @property
+    def us_per_open(self) -> float:
+        return self.cpu / self.opens * 1e6
+
+    @property
+    def files_per_core(self) -> float:
+        return self.opens / self.cpu if self.cpu else float("inf")
+
+
+def make_tree(root: Path, files: int, size: int, dirs: int) -> list[str]:
+    """FILES files of SIZE random bytes in DIRS directories (kept if already there)."""
+    rels = []
+    for i in range(files):
+        rel = f"d{i % dirs:03d}/f{i:07d}.bin"
+        rels.append(rel)
+        path = root / rel
+        if path.exists() and path.stat().st_size == size:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+    return rels
+
+
+def read_pass(
+    paths: Sequence[str],
+    readers: int,
+    pid: int,
+    requests: Callable[[], Counter[str]],
+    seed: int,
+    profile: Path | None = None,
+) -> Pass:
+    """Every path read once by `readers` processes (a disjoint share each, shuffled)."""
+    order = list(paths)
+    random.Random(seed).shuffle(order)
+    shares = [order[i::readers] for i in range(readers)]
+    with worker_pool(readers) as pool:
+        pool.map(abs, range(readers), chunksize=1)  # the workers exist before the clock runs
+        before = requests()
+        with _py_spy(pid, profile):
+            cpu0, t0 = _cpu(pid), time.perf_counter()
+            pool.map(read_files, shares, chunksize=1)
+            wall, cpu1 = time.perf_counter() - t0, _cpu(pid)
+    after = requests()
+    after.subtract(before)
+    return Pass(len(paths), cpu1 - cpu0, wall, +after)
+
+
+def _cpu(pid: int) -> float:
+    cpu = process_cpu(pid)
+    if cpu is None:
+        raise RuntimeError(f"daemon {pid} is gone")
+    return cpu
+
+
+@contextlib.contextmanager
+def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
+    if out is None:
+        yield
+        return
+    cmd = ["py-spy", "record", "-p", str(pid), "-f", "raw", "-r", "500", "-o", str(out)]
+    spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the pass starts
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
+def shadefs_requests(mnt: Path) -> Callable[[], Counter[str]]:
+    return lambda: Counter(stats(mnt).get("requests", {}))
+
+
+def floor_requests(mnt: Path) -> Callable[[], Counter[str]]:
+    return lambda: Counter(json.loads(os.getxattr(mnt, "user.floorfs.requests")))
+
+
+@contextlib.contextmanager
+def daemon(
+    name: str, src: Path, mnt: Path, ram: int
+) -> Iterator[tuple[int, Callable[[], Counter[str]]]]:
+    """Mount config `name` on `mnt`; yields (the daemon's pid, its request counters)."""
+    extra = CONFIGS[name]
+    if extra is None:
+        with slowfs_mounted(src, mnt, [], script=FLOORFS) as (_, pid):
+            yield pid, floor_requests(mnt)
+        return
+    with mounted(src, mnt, "--ram", str(ram), *extra):
+        yield int(stats(mnt)["pid"]), shadefs_requests(mnt)
+
+
+def run_config(
+    name: str, args: argparse.Namespace, src: Path, mnt: Path, rels: Sequence[str]
+) -> tuple[Pass, Pass | None]:
+    """The cold pass and (for the floor and the default) the warm passes of one config."""
+    paths = [str(mnt / r) for r in rels]
+    ram = 2 * len(rels) * args.size + (64 << 20)
+    warm_too = name in ("floor", "shadefs")
+    prof = args.profile
+    with daemon(name, src, mnt, ram) as (pid, requests):
+        cold = read_pass(
+            paths, args.readers, pid, requests, 0, prof / f"{name}-cold.txt" if prof else None
+        )
+        if not warm_too:
+            return cold, None
+        warm = Pass()
+        for i in range(args.warm_passes):
+            out = prof / f"{name}-warm{i}.txt" if prof else None
+            warm.add(read_pass(paths, args.readers, pid, requests, i + 1, out))
+    return cold, warm
+
+
+def per_sample(p: Pass) -> str:
+    return " ".join(f"{k}={v / p.opens:.2f}" for k, v in sorted(p.requests.items()) if v)
+
+
+def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: int) -> None:
+    print(f"\n{files} files, {readers} readers; CPU = the daemon's utime+stime from /proc")
+    print(
+        f"{'config':<14} {'pass':<5} {'us/open':>8} {'x floor':>8} {'files/s/core':>13} "
+        f"{'files/s wall':>13}  requests per sample"
+    )
+    floor = results.get("floor")
+    for name, (cold, warm) in results.items():
+        for label, p, base in (
+            ("cold", cold, floor and floor[0]),
+            ("warm", warm, floor and floor[1]),
+        ):
+            if p is None:
+                continue
+            ratio = f"{p.us_per_open / base.us_per_open:.2f}" if base else "-"
+            print(
+                f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {ratio:>8} "
+                f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f}  {per_sample(p)}"
+            )
+    print("(files/s wall depends on the machine's load; the CPU figures hardly do)")
+
+
+def top_entries(path: Path, n: int = 15) -> None:
+    """The functions with the most samples in a py-spy raw (collapsed) profile."""
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    all_samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        k = int(count)
+        all_samples += k
+        own[_short(frames[-1])] += k
+        for f in {_short(f) for f in frames}:
+            total[f] += k
+    print(f"\n{path.name}: {all_samples} samples; top own / top total (share of samples)")
+    for (fo, co), (ft, ct) in zip(own.most_common(n), total.most_common(n), strict=False):
+        print(f"  {co / all_samples:6.1%} {fo:<58.58} {ct / all_samples:6.1%} {ft:.58}")
+
+
+def _short(frame: str) -> str:
+    # "fn (path/to/module.py:123)" -> "fn (module.py)"
+    fn, _, where = frame.partition(" (")
+    return f"{fn} ({where.rsplit('/', 1)[-1].split(':')[0]})" if where else fn
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=20_000)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--dirs", type=int, default=20, help="directories the files spread over")
+    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--warm-passes", type=int, default=2)
+    ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy every pass into DIR")
+    ap.add_argument("--workdir", type=Path, help="where the tree goes (default: a temp dir)")
+    args = ap.parse_args(argv)
+    if args.profile is not None:
+        if shutil.which("py-spy") is None:
+            sys.exit("--profile needs py-spy on PATH (pip install py-spy)")
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        src, mnt = Path(tmp) / "src", Path(tmp) / "mnt"
+        rels = make_tree(src, args.files, args.size, args.dirs)
+        read_files([str(src / r) for r in rels])  # the source in the page cache, for all
+        results = {name: run_config(name, args, src, mnt, rels) for name in args.only}
+    report(results, args.files, args.readers)
+    if args.profile is not None:
+        for path in sorted(args.profile.glob("*.txt")):
+            top_entries(path)
+
+
+if __name__ == "__main__":
+    main()
