@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,23 +36,17 @@ class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
     __slots__ = (
-        "hits",
-        "misses",
-        "bytes_served",
-        "passthrough_opens",
-        "control_errors",
-        "requests",
-        "started",
-    )
+        "hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started",
+        "requests",  # FUSE requests by handler name (fs/operations.py counts them)
+    )  # fmt: skip
 
     def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
         self.bytes_served = 0
         self.passthrough_opens = 0
         self.control_errors = 0
-        # FUSE requests by handler name (fs/operations.py counts them): requests per sample.
-        self.requests: Counter[str] = Counter()
         self.started = time.time()
 
     def describe(self) -> Counters:

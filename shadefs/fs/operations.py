@@ -77,7 +77,8 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def handler(self: Operations, *args: object) -> T:
-        self.metrics.requests[name] += 1  # stats.json `requests`: requests per sample
+        counts = self.metrics.requests  # stats.json `requests`: requests per sample
+        counts[name] = counts.get(name, 0) + 1
         try:
             return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):

@@ -50,6 +50,9 @@ from benchlib import (
 )
 
 FLOORFS = Path(__file__).with_name("floorfs.py")
+PERF = bool(os.environ.get("PERF"))
+SPY = os.environ.get("SPY_ARGS", "--gil").split()
+PROFILES: list[tuple[Path, Pass]] = []  # (py-spy output, its pass) with --profile
 
 #: name -> extra mount options; "floor" is floorfs.py. Only the default config runs warm.
 CONFIGS: dict[str, tuple[str, ...] | None] = {
@@ -66,12 +69,14 @@ class Pass:
 
     opens: int = 0
     cpu: float = 0.0
+    trio_cpu: float = 0.0  # of the main thread (the trio loop); the rest is worker threads
     wall: float = 0.0
     requests: Counter[str] = field(default_factory=Counter)
 
     def add(self, other: Pass) -> None:
         self.opens += other.opens
         self.cpu += other.cpu
+        self.trio_cpu += other.trio_cpu
         self.wall += other.wall
         self.requests.update(other.requests)
 
@@ -114,16 +119,17 @@ def read_pass(
         pool.map(abs, range(readers), chunksize=1)  # the workers exist before the clock runs
         before = requests()
         with _py_spy(pid, profile):
-            cpu0, t0 = _cpu(pid), time.perf_counter()
+            cpu0, main0, t0 = _cpu(pid), _cpu(pid, pid), time.perf_counter()
             pool.map(read_files, shares, chunksize=1)
-            wall, cpu1 = time.perf_counter() - t0, _cpu(pid)
+            wall, cpu1, main1 = time.perf_counter() - t0, _cpu(pid), _cpu(pid, pid)
     after = requests()
     after.subtract(before)
-    return Pass(len(paths), cpu1 - cpu0, wall, +after)
+    return Pass(len(paths), cpu1 - cpu0, main1 - main0, wall, +after)
 
 
-def _cpu(pid: int) -> float:
-    cpu = process_cpu(pid)
+def _cpu(pid: int, tid: int | None = None) -> float:
+    """The CPU seconds of process `pid`, all threads (also those that ended), or of one."""
+    cpu = process_cpu(pid) if tid is None else process_cpu(pid, tid)
     if cpu is None:
         raise RuntimeError(f"daemon {pid} is gone")
     return cpu
@@ -134,8 +140,11 @@ def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
     if out is None:
         yield
         return
-    cmd = ["py-spy", "record", "-p", str(pid), "-f", "raw", "-r", "500", "-o", str(out)]
-    spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL)
+    cmd = ["py-spy", "record", "-p", str(pid), "-f", "raw", "-r", "500", "-o", str(out), *SPY]
+    cmd.append("--nonblocking")
+    if PERF:
+        cmd = ["perf", "record", "-F", "999", "-g", "-p", str(pid), "-o", f"{out}.perf"]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached before the pass starts
     try:
         yield
@@ -172,18 +181,22 @@ def run_config(
     """The cold pass and (for the floor and the default) the warm passes of one config."""
     paths = [str(mnt / r) for r in rels]
     ram = 2 * len(rels) * args.size + (64 << 20)
-    warm_too = name in ("floor", "shadefs")
-    prof = args.profile
+    warm_too = args.warm_all or name in ("floor", "shadefs")
+    prof: Path | None = args.profile
     with daemon(name, src, mnt, ram) as (pid, requests):
-        cold = read_pass(
-            paths, args.readers, pid, requests, 0, prof / f"{name}-cold.txt" if prof else None
-        )
+        out = prof / f"{name}-cold.txt" if prof else None
+        cold = read_pass(paths, args.readers, pid, requests, 0, out)
+        if out is not None:
+            PROFILES.append((out, cold))
         if not warm_too:
             return cold, None
         warm = Pass()
         for i in range(args.warm_passes):
             out = prof / f"{name}-warm{i}.txt" if prof else None
-            warm.add(read_pass(paths, args.readers, pid, requests, i + 1, out))
+            one = read_pass(paths, args.readers, pid, requests, i + 1, out)
+            if out is not None:
+                PROFILES.append((out, one))
+            warm.add(one)
     return cold, warm
 
 
@@ -208,27 +221,35 @@ def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: in
             ratio = f"{p.us_per_open / base.us_per_open:.2f}" if base else "-"
             print(
                 f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {ratio:>8} "
+                f"{p.trio_cpu / p.opens * 1e6:>6.0f} "
                 f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f}  {per_sample(p)}"
             )
+    print("trio: us/open of the main thread (the trio loop); the rest ran in worker threads")
     print("(files/s wall depends on the machine's load; the CPU figures hardly do)")
 
 
-def top_entries(path: Path, n: int = 15) -> None:
-    """The functions with the most samples in a py-spy raw (collapsed) profile."""
+def top_entries(path: Path, trio_us: float, n: int = 15) -> None:
+    """The trio thread's functions with the most samples in a py-spy raw (collapsed) profile,
+    in us per open: each function's share of the trio thread's samples times its CPU."""
     own: Counter[str] = Counter()
     total: Counter[str] = Counter()
-    all_samples = 0
+    samples = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
+        if not any(f.startswith("unrolled_run ") for f in frames):
+            continue  # a worker thread: its CPU is the rest of the figure
         k = int(count)
-        all_samples += k
+        samples += k
         own[_short(frames[-1])] += k
         for f in {_short(f) for f in frames}:
             total[f] += k
-    print(f"\n{path.name}: {all_samples} samples; top own / top total (share of samples)")
+    if not samples:
+        return
+    us = trio_us / samples
+    print(f"\n{path.name}: trio thread {trio_us:.0f} us/open; top own | top total, us/open")
     for (fo, co), (ft, ct) in zip(own.most_common(n), total.most_common(n), strict=False):
-        print(f"  {co / all_samples:6.1%} {fo:<58.58} {ct / all_samples:6.1%} {ft:.58}")
+        print(f"  {co * us:6.1f} {fo:<56.56} | {ct * us:6.1f} {ft:.56}")
 
 
 def _short(frame: str) -> str:
@@ -244,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--dirs", type=int, default=20, help="directories the files spread over")
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--warm-passes", type=int, default=2)
+    ap.add_argument("--warm-all", action="store_true", help="warm passes for every config")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy every pass into DIR")
     ap.add_argument("--workdir", type=Path, help="where the tree goes (default: a temp dir)")
@@ -259,9 +281,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         read_files([str(src / r) for r in rels])  # the source in the page cache, for all
         results = {name: run_config(name, args, src, mnt, rels) for name in args.only}
     report(results, args.files, args.readers)
-    if args.profile is not None:
-        for path in sorted(args.profile.glob("*.txt")):
-            top_entries(path)
+    for path, p in PROFILES if not PERF else ():
+        top_entries(path, p.trio_cpu / p.opens * 1e6)
 
 
 if __name__ == "__main__":
