@@ -72,6 +72,7 @@ class Pass:
     trio_cpu: float = 0.0  # of the main thread (the trio loop); the rest is worker threads
     wall: float = 0.0
     requests: Counter[str] = field(default_factory=Counter)
+    nbytes: int = 0
 
     def add(self, other: Pass) -> None:
         self.opens += other.opens
@@ -79,6 +80,7 @@ class Pass:
         self.trio_cpu += other.trio_cpu
         self.wall += other.wall
         self.requests.update(other.requests)
+        self.nbytes += other.nbytes
 
     @property
     def us_per_open(self) -> float:
@@ -110,8 +112,16 @@ def read_pass(
     requests: Callable[[], Counter[str]],
     seed: int,
     profile: Path | None = None,
+    drop: bool = False,
 ) -> Pass:
-    """Every path read once by `readers` processes (a disjoint share each, shuffled)."""
+    """Every path read once by `readers` processes (a disjoint share each, shuffled);
+    `drop`: the kernel's pages of the files dropped first, so that every read reaches the
+    daemon."""
+    if drop:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
     order = list(paths)
     random.Random(seed).shuffle(order)
     shares = [order[i::readers] for i in range(readers)]
@@ -124,7 +134,8 @@ def read_pass(
             wall, cpu1, main1 = time.perf_counter() - t0, _cpu(pid), _cpu(pid, pid)
     after = requests()
     after.subtract(before)
-    return Pass(len(paths), cpu1 - cpu0, main1 - main0, wall, +after)
+    nbytes = sum(os.stat(p).st_size for p in paths)
+    return Pass(len(paths), cpu1 - cpu0, main1 - main0, wall, +after, nbytes)
 
 
 def _cpu(pid: int, tid: int | None = None) -> float:
@@ -163,7 +174,7 @@ def floor_requests(mnt: Path) -> Callable[[], Counter[str]]:
 
 @contextlib.contextmanager
 def daemon(
-    name: str, src: Path, mnt: Path, ram: int
+    name: str, src: Path, mnt: Path, ram: int, more: Sequence[str] = ()
 ) -> Iterator[tuple[int, Callable[[], Counter[str]]]]:
     """Mount config `name` on `mnt`; yields (the daemon's pid, its request counters)."""
     extra = CONFIGS[name]
@@ -171,7 +182,7 @@ def daemon(
         with slowfs_mounted(src, mnt, [], script=FLOORFS) as (_, pid):
             yield pid, floor_requests(mnt)
         return
-    with mounted(src, mnt, "--ram", str(ram), *extra):
+    with mounted(src, mnt, "--ram", str(ram), *extra, *more):
         yield int(stats(mnt)["pid"]), shadefs_requests(mnt)
 
 
@@ -183,9 +194,11 @@ def run_config(
     ram = 2 * len(rels) * args.size + (64 << 20)
     warm_too = args.warm_all or name in ("floor", "shadefs")
     prof: Path | None = args.profile
-    with daemon(name, src, mnt, ram) as (pid, requests):
+    with daemon(name, src, mnt, ram, args.shadefs_args) as (pid, requests):
+        if args.max_background is not None:
+            set_queue(mnt, args.max_background)
         out = prof / f"{name}-cold.txt" if prof else None
-        cold = read_pass(paths, args.readers, pid, requests, 0, out)
+        cold = read_pass(paths, args.readers, pid, requests, 0, out, args.drop)
         if out is not None:
             PROFILES.append((out, cold))
         if not warm_too:
@@ -193,11 +206,19 @@ def run_config(
         warm = Pass()
         for i in range(args.warm_passes):
             out = prof / f"{name}-warm{i}.txt" if prof else None
-            one = read_pass(paths, args.readers, pid, requests, i + 1, out)
+            one = read_pass(paths, args.readers, pid, requests, i + 1, out, args.drop)
             if out is not None:
                 PROFILES.append((out, one))
             warm.add(one)
     return cold, warm
+
+
+def set_queue(mnt: Path, max_background: int) -> None:
+    """Override the FUSE connection's queue depth (root; the kernel's defaults: 12 and 9)."""
+    dev = os.stat(mnt).st_dev
+    conn = Path("/sys/fs/fuse/connections") / str((os.major(dev) << 20) | os.minor(dev))
+    (conn / "max_background").write_text(str(max_background))
+    (conn / "congestion_threshold").write_text(str(max(1, max_background * 3 // 4)))
 
 
 def per_sample(p: Pass) -> str:
@@ -216,13 +237,14 @@ def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: in
             ("cold", cold, floor and floor[0]),
             ("warm", warm, floor and floor[1]),
         ):
-            if p is None:
+            if p is None or not p.opens:
                 continue
             ratio = f"{p.us_per_open / base.us_per_open:.2f}" if base else "-"
             print(
                 f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {ratio:>8} "
                 f"{p.trio_cpu / p.opens * 1e6:>6.0f} "
-                f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f}  {per_sample(p)}"
+                f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f} "
+                f"{p.nbytes / p.wall / 1e6:>10.0f}  {per_sample(p)}"
             )
     print("trio: us/open of the main thread (the trio loop); the rest ran in worker threads")
     print("(files/s wall depends on the machine's load; the CPU figures hardly do)")
@@ -265,6 +287,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--dirs", type=int, default=20, help="directories the files spread over")
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--warm-passes", type=int, default=2)
+    ap.add_argument(
+        "--max-background",
+        type=int,
+        metavar="N",
+        help="set the FUSE connection's max_background to N (congestion_threshold 3N/4) "
+        "after mounting, for every config (root)",
+    )
+    ap.add_argument(
+        "--drop",
+        action="store_true",
+        help="drop the kernel's pages of the files before every pass (parallel-reader "
+        "throughput of the daemon's read path: try --files 64 --size 16777216 --readers 16)",
+    )
+    ap.add_argument(
+        "--remote-latency",
+        type=float,
+        metavar="MS",
+        help="serve the tree through slowfs with this latency per read request",
+    )
+    ap.add_argument(
+        "--shadefs-args", nargs="+", default=[], metavar="ARG", help="more mount options"
+    )
     ap.add_argument("--warm-all", action="store_true", help="warm passes for every config")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy every pass into DIR")
@@ -279,7 +323,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         src, mnt = Path(tmp) / "src", Path(tmp) / "mnt"
         rels = make_tree(src, args.files, args.size, args.dirs)
         read_files([str(src / r) for r in rels])  # the source in the page cache, for all
-        results = {name: run_config(name, args, src, mnt, rels) for name in args.only}
+        with contextlib.ExitStack() as stack:
+            if args.remote_latency is not None:
+                # Misses that wait on the source: what the kernel's queue depth may bound.
+                opts = ["--read-latency", str(args.remote_latency), "--bandwidth", "0"]
+                src, _ = stack.enter_context(slowfs_mounted(src, Path(tmp) / "remote", opts))
+            results = {name: run_config(name, args, src, mnt, rels) for name in args.only}
     report(results, args.files, args.readers)
     for path, p in PROFILES if not PERF else ():
         top_entries(path, p.trio_cpu / p.opens * 1e6)
