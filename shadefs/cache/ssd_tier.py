@@ -114,12 +114,9 @@ class SsdTier:
         stall every other request for the duration of a disk read, and in threads the reads
         of concurrent readers overlap.
         """
-        warm = self.store.in_page_cache(relpath)
-        if warm is None:
-            data = None
-        elif warm:
-            data = self.store.get(relpath, sig)
-        else:
+        try:
+            data = self.store.get(relpath, sig, nowait=True)
+        except BlockingIOError:
             data = await trio.to_thread.run_sync(
                 self.store.get, relpath, sig, limiter=self._limiter
             )
