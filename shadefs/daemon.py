@@ -22,6 +22,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from shadefs import kernel
 from shadefs.common import EXIT_MOUNT_FAILED, QuietError
 from shadefs.options import MountOptions
 from shadefs.service import Service
@@ -185,7 +186,7 @@ class Daemon:
         # The stat goes through the kernel to our own request loop: when it returns, the
         # mount answers. It must run in a thread, or it would wait for the loop it blocks.
         st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
-        await trio.to_thread.run_sync(_raise_readahead, st.st_dev)
+        await trio.to_thread.run_sync(kernel.tune, st.st_dev)
         self.ready = True
         log.info("mount %s is ready", self.mountpoint)
         if self.opts.systemd:
@@ -193,23 +194,6 @@ class Daemon:
 
             sdnotify.ready(f"serving {self.opts.source} on {self.mountpoint}")
         _report(self.ready_fd, "ready")
-
-
-# The kernel's read-ahead on a FUSE mount starts at 128 KiB (the init reply can only lower
-# it), so a reader's 1 MiB reads arrive as eight 128 KiB requests. Raised through sysfs,
-# reads arrive as 1 MiB requests (libfuse 3.14 negotiates max_pages = 256): measured on a
-# block-cached shard, 321 -> 41 requests per 42 MB and 0.7 -> 1.0-1.3 GB/s (README,
-# "Sharded datasets"). Only root may write it; others keep the kernel's default.
-_READ_AHEAD_KB = 1024
-
-
-def _raise_readahead(dev: int) -> None:
-    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
-    try:
-        with open(path, "w") as f:
-            f.write(str(_READ_AHEAD_KB))
-    except OSError as exc:
-        log.debug("cannot raise the mount's read-ahead (%s): %s", path, exc)
 
 
 async def _signals() -> None:

@@ -3,8 +3,9 @@
 Every call that may block on the remote runs in a worker thread behind one
 `trio.CapacityLimiter`, under a timeout: a hung NFS server turns into EIO for the caller
 instead of a hung training job, and the number of threads stuck in the kernel is bounded by
-the limiter (trio returns a token only when its thread really finishes, so abandoned calls
-keep holding theirs). Errors become `pyfuse3.FUSEError` with the source's errno.
+the limiter (a token comes back only when its thread really finishes, so abandoned calls
+keep holding theirs); `source_calls.py` does both at the least cost trio allows. Errors
+become `pyfuse3.FUSEError` with the source's errno.
 
 Paths are bytes relative to the source root (b"" is the root itself), so names that are not
 valid UTF-8 survive unchanged. They are resolved by `source_paths.Resolver` from a descriptor
@@ -38,18 +39,18 @@ from __future__ import annotations
 
 import contextvars
 import errno
-import inspect
 import logging
 import os
 import resource
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pyfuse3
 import trio
 
+from shadefs.source_calls import Calls, TimedOut
 from shadefs.source_paths import Resolver
 from shadefs.stats import SourceStats
 
@@ -68,13 +69,6 @@ _MARGIN = 64 << 10
 
 #: The uid of the process whose open request is being served (None: the daemon's own work).
 OPENER: contextvars.ContextVar[int | None] = contextvars.ContextVar("opener", default=None)
-
-# trio renamed `cancellable` to `abandon_on_cancel` in 0.23.
-_ABANDON: dict[str, Any] = {
-    "abandon_on_cancel"
-    if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
-    else "cancellable": True
-}
 
 
 class FdBudget:
@@ -176,6 +170,7 @@ class Source:
         self.reopens = 0
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
+        self.calls = Calls(self.limiter)  # threads and deadlines (source_calls.py)
         self.healthy = True
         self.timeouts = 0
         self.errors = 0
@@ -199,21 +194,18 @@ class Source:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run fn(*args) in a worker thread; OSError -> FUSEError, timeout -> EIO."""
-        with trio.move_on_after(self.timeout) as scope:
-            try:
-                result = await trio.to_thread.run_sync(
-                    self._call, fn, args, limiter=self.limiter, **_ABANDON
-                )
-            except OSError as exc:
-                # ENOENT and friends are answers, not outages.
-                self._mark_healthy()
-                if exc.errno not in _ANSWERS:
-                    self.errors += 1
-                # A dead server (ENOTCONN or ECONNABORTED from a crashed FUSE source, ESTALE
-                # from NFS) is an I/O error to the reader, not a property of the file.
-                code = exc.errno if exc.errno not in (None, *_OUTAGES) else errno.EIO
-                raise pyfuse3.FUSEError(code) from None
-        if scope.cancelled_caught:
+        try:
+            result: T = await self.calls.run(self.timeout, self._call, fn, args)
+        except OSError as exc:
+            # ENOENT and friends are answers, not outages.
+            self._mark_healthy()
+            if exc.errno not in _ANSWERS:
+                self.errors += 1
+            # A dead server (ENOTCONN or ECONNABORTED from a crashed FUSE source, ESTALE
+            # from NFS) is an I/O error to the reader, not a property of the file.
+            code = exc.errno if exc.errno not in (None, *_OUTAGES) else errno.EIO
+            raise pyfuse3.FUSEError(code) from None
+        except TimedOut:
             self.timeouts += 1
             if self.healthy:
                 self.healthy = False
@@ -224,7 +216,7 @@ class Source:
                     os.fsdecode(self.root),
                     self.timeout,
                 )
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         self._mark_healthy()
         return result
 

@@ -35,9 +35,13 @@ VERSION = 1  # of the stats.json document
 class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
-    __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started")
+    __slots__ = (
+        "hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started",
+        "requests",  # FUSE requests by handler name (fs/operations.py counts them)
+    )  # fmt: skip
 
     def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
         self.bytes_served = 0
@@ -52,6 +56,7 @@ class Metrics:
             bytes_served=self.bytes_served,
             passthrough_opens=self.passthrough_opens,
             control_errors=self.control_errors,
+            requests=dict(sorted(self.requests.items())),
         )
 
 
@@ -67,6 +72,7 @@ class Counters:
     bytes_served: int
     passthrough_opens: int
     control_errors: int
+    requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
 
 
 @dataclass(frozen=True, slots=True)

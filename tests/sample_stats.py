@@ -65,7 +65,12 @@ def full(**top: Any) -> Stats:
         mountpoint="/mnt/shade",
         uptime_s=12.5,
         counters=Counters(
-            hits=30, misses=10, bytes_served=123456, passthrough_opens=2, control_errors=0
+            hits=30,
+            misses=10,
+            bytes_served=123456,
+            passthrough_opens=2,
+            control_errors=0,
+            requests={"lookup": 12, "open": 40, "read": 40, "release": 40},
         ),
         source=SourceStats(root="/mnt/nfs", bytes_read=65432, healthy=False, timeouts=3, errors=1),
         namespace=NamespaceStats(

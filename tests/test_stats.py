@@ -26,7 +26,7 @@ TOP = {
     "passthrough_opens", "fetches_shared", "blocked_seconds", "handles", "revalidations",
     "changed_files", "inodes_known", "directories_listed", "source_healthy", "source_timeouts",
     "source_errors", "control_errors", "sampler", "jobs", "source_fetches",
-    "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms",
+    "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
 RAM = {"bytes", "capacity", "entries", "hits"}
@@ -119,6 +119,8 @@ async def test_a_built_daemon_describes_every_part(tmp_path: Path) -> None:
     assert s.prefetch is not None and s.sampler.table is None
     d = json.loads(json.dumps(s.to_json()))
     check_keys(d, ssd=True, prefetch=True, table=False, blocks=True)
+    # Per request type, as the handlers were called (read: data, then EOF, per open).
+    assert d["requests"] == {"lookup": 4, "open": 2, "read": 4, "release": 2}
     assert Stats.from_json(d) == s
 
 

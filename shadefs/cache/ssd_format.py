@@ -192,15 +192,18 @@ def _is_version_1(head: bytes) -> bool:
     return version == 1 and bool(xxhash.xxh3_64_intdigest(head[: _V1_HASHED.size]) == hsum)
 
 
-def read_entry(fd: int, relpath: bytes, sig: Signature) -> tuple[Verdict, bytes | None, int]:
+def read_entry(
+    fd: int, relpath: bytes, sig: Signature, whole: memoryview | None = None
+) -> tuple[Verdict, bytes | None, int]:
     """Check the entry open as fd against relpath and sig: (verdict, data if GOOD, counted).
 
     `counted` is the data length the entry was counted with: the header's while its checksum
     holds, so a file truncated behind the store's back is forgotten with the size it was
     counted with; for a file whose header is gone, the length the caller asked for.
+    `whole`: the file's bytes, already read from fd (then fd is not read again).
     """
     rlen = len(relpath)
-    head = os.pread(fd, HSIZE + rlen, 0)
+    head = os.pread(fd, HSIZE + rlen, 0) if whole is None else bytes(whole[: HSIZE + rlen])
     h = decode_header(head)
     if isinstance(h, Verdict):
         return h, None, sig.size
@@ -211,7 +214,11 @@ def read_entry(fd: int, relpath: bytes, sig: Signature) -> tuple[Verdict, bytes 
     if h.sig != sig:
         return Verdict.STALE, None, h.data_len
     # One byte more than expected tells a file with trailing garbage from a good one.
-    data = pread_all(fd, h.data_len + 1, HSIZE + rlen)
+    start = HSIZE + rlen
+    if whole is None:
+        data = pread_all(fd, h.data_len + 1, start)
+    else:
+        data = bytes(whole[start : start + h.data_len + 1])
     if len(data) != h.data_len or xxhash.xxh3_64_intdigest(data) != h.data_sum:
         return Verdict.CORRUPT, None, h.data_len
     return Verdict.GOOD, data, h.data_len

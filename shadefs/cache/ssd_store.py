@@ -78,7 +78,7 @@ class CacheLocked(Exception):
 class SsdStore:
     """Entries on a local disk, keyed by relpath, validated on every read.
 
-    ``get``/``in_page_cache`` run on the trio event loop (one open, two preads, no scans);
+    ``get(nowait=True)`` runs on the trio event loop (one open, one read, no scans);
     ``put``/``remove``/``scan`` run in worker threads. The ledger's lock guards the counters
     and makes each namespace change (rename, unlink) atomic with its accounting; it is held
     only around short metadata syscalls and single header reads, never around a data write,
@@ -216,12 +216,18 @@ class SsdStore:
 
     # -- reads (event loop) ------------------------------------------------------------------
 
-    def get(self, relpath: bytes, sig: Signature) -> bytes | None:
+    def get(self, relpath: bytes, sig: Signature, nowait: bool = False) -> bytes | None:
         """The cached bytes of relpath if its entry is present, intact and not stale.
 
         A concurrent put() cannot make this return a mix of two versions: it writes a new
         inode and renames it over the path, and a file is never modified after the rename, so
         the descriptor opened here reads one complete version from start to end.
+
+        `nowait`: raise BlockingIOError rather than wait for the disk. The entry is then
+        read whole with RWF_NOWAIT, which the kernel refuses (or cuts short) unless every
+        page is cached, and checked from that one read: a warm entry costs one open and one
+        read inline, and a cold one goes to a thread (where RWF_NOWAIT is unsupported,
+        every entry counts as cold).
         """
         bucket, name, path = self._key(relpath)
         try:
@@ -229,11 +235,14 @@ class SsdStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if nowait:
+                raise BlockingIOError(exc.errno, "the thread will tell") from None
             self.warn_once("open", "cannot open cache entry %s: %s", path, exc)
             return None
         try:
+            whole = _read_nowait(fd) if nowait else None
             try:
-                verdict, data, data_len = read_entry(fd, relpath, sig)
+                verdict, data, data_len = read_entry(fd, relpath, sig, whole)
             except OSError as exc:
                 # An unreadable entry (EIO on a failing disk) is as useless as a corrupt one;
                 # dropping it lets the cache refetch from the source.
@@ -243,29 +252,6 @@ class SsdStore:
                 size = entry_size(len(relpath), data_len)
                 self._discard(fd, bucket, name, path, len(relpath), size, verdict)
             return data
-        finally:
-            os.close(fd)
-
-    def in_page_cache(self, relpath: bytes) -> bool | None:
-        """Whether the whole entry is in the page cache (None: no such entry).
-
-        One read with RWF_NOWAIT, which the kernel refuses (or cuts short) instead of
-        waiting for the disk. It lets a caller serve a warm entry inline and send a cold
-        one to a thread. Where RWF_NOWAIT is unsupported, everything counts as cold.
-        """
-        _, _, path = self._key(relpath)
-        try:
-            fd = os.open(path, _READ, dir_fd=self._dir)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(max(size, 1))
-            return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) == size
-        except (OSError, AttributeError):  # EAGAIN, EOPNOTSUPP, no RWF_NOWAIT at all
-            return False
         finally:
             os.close(fd)
 
@@ -429,3 +415,16 @@ class SsdStore:
             self.min_free - self.disk_free(),
             0,
         )
+
+
+def _read_nowait(fd: int) -> memoryview:
+    """The whole file open as fd if every page of it is cached; else BlockingIOError."""
+    try:
+        size = os.fstat(fd).st_size
+        buf = bytearray(max(size, 1))
+        got = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
+    except (OSError, AttributeError):  # EAGAIN, EOPNOTSUPP, no RWF_NOWAIT at all
+        raise BlockingIOError(errno.EAGAIN, "not in the page cache") from None
+    if got != size:
+        raise BlockingIOError(errno.EAGAIN, "not wholly in the page cache")
+    return memoryview(buf)[:size]

@@ -119,15 +119,15 @@ class SsdTier:
         stall every other request for the duration of a disk read, and in threads the reads
         of concurrent readers overlap.
         """
-        warm = None if self.lost else self.store.in_page_cache(relpath)
-        if warm is None:
+        if self.lost:
             data = None
-        elif warm:
-            data = self.store.get(relpath, sig)
         else:
-            data = await trio.to_thread.run_sync(
-                self.store.get, relpath, sig, limiter=self._limiter
-            )
+            try:
+                data = self.store.get(relpath, sig, nowait=True)
+            except BlockingIOError:
+                data = await trio.to_thread.run_sync(
+                    self.store.get, relpath, sig, limiter=self._limiter
+                )
         self._seen(key, relpath, sig, data, job)
         return data
 

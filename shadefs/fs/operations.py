@@ -65,10 +65,14 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     the whole mount down, which for a training job is far worse than one failed read.
     """
 
+    name = fn.__name__
+
     @functools.wraps(fn)
-    async def handler(*args: object) -> T:
+    async def handler(self: Operations, *args: object) -> T:
+        counts = self.metrics.requests  # stats.json `requests`: requests per sample
+        counts[name] = counts.get(name, 0) + 1
         try:
-            return await fn(*args)
+            return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):
             raise
         except Exception:

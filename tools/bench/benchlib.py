@@ -349,10 +349,12 @@ def describe_disk(path: Path) -> str:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads), None if it is gone."""
+def process_cpu(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads, also those that ended),
+    or of its thread ``tid`` only; None if it is gone."""
+    stat = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(stat) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, IndexError):
         return None

@@ -1,0 +1,114 @@
+"""Source calls in worker threads: results, errors, deadlines, cancellation, the limiter."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pyfuse3
+import pytest
+import trio
+import trio.testing
+
+from shadefs.source import Source
+from shadefs.source_calls import Calls, TimedOut
+
+
+def _blocked(gate: threading.Event, started: threading.Event) -> str:
+    started.set()
+    gate.wait(10)
+    return "late"
+
+
+async def _wait_for(event: threading.Event) -> None:
+    await trio.to_thread.run_sync(event.wait, 10)
+
+
+async def test_a_call_returns_its_result_or_raises_its_error() -> None:
+    calls = Calls(trio.CapacityLimiter(2))
+    assert await calls.run(5, sum, [1, 2, 3]) == 6
+    with pytest.raises(ZeroDivisionError):
+        await calls.run(5, divmod, 1, 0)
+    assert calls.limiter.borrowed_tokens == 0
+
+
+async def test_a_hung_call_times_out_and_keeps_its_thread_token() -> None:
+    # Real time: the worker thread blocks outside trio, so trio's clock must run freely.
+    calls = Calls(trio.CapacityLimiter(2))
+    gate, started = threading.Event(), threading.Event()
+    t0 = trio.current_time()
+    with pytest.raises(TimedOut):
+        await calls.run(0.3, _blocked, gate, started)
+    assert 0.3 <= trio.current_time() - t0 < 5
+    assert calls.limiter.borrowed_tokens == 1  # the thread is still stuck in its call
+    gate.set()
+    with trio.fail_after(10):
+        while calls.limiter.borrowed_tokens:
+            await trio.sleep(0.01)
+    assert await calls.run(0.3, len, b"ok") == 2  # and calls go on afterwards
+
+
+async def test_a_shorter_deadline_fires_first_whatever_the_order_of_the_calls() -> None:
+    calls = Calls(trio.CapacityLimiter(4))
+    gate = threading.Event()
+    failed: list[str] = []
+
+    async def call(name: str, timeout: float) -> None:
+        try:
+            await calls.run(timeout, _blocked, gate, threading.Event())
+        except TimedOut:
+            failed.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "short", 0.2)
+        nursery.start_soon(call, "long", 30)
+        with trio.fail_after(10):
+            while not failed:
+                await trio.sleep(0.01)
+        assert failed == ["short"]
+        gate.set()  # the long one answers before its deadline
+    assert failed == ["short"]
+
+
+async def test_a_cancelled_caller_abandons_its_call() -> None:
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    with trio.move_on_after(0.2) as scope:
+        await calls.run(30, _blocked, gate, started)
+    assert scope.cancelled_caught
+    assert calls.limiter.borrowed_tokens == 1  # until the abandoned thread ends
+    gate.set()
+    with trio.fail_after(10):
+        while calls.limiter.borrowed_tokens:
+            await trio.sleep(0.01)
+
+
+async def test_a_full_limiter_queues_the_next_call() -> None:
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    async def first() -> None:
+        order.append(await calls.run(30, _blocked, gate, started))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await _wait_for(started)
+        nursery.start_soon(lambda: calls.run(30, order.append, "second"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == []  # waits for the one thread the limiter allows
+        gate.set()
+    assert order == ["late", "second"]
+
+
+async def test_source_turns_a_timeout_into_eio_once_per_outage(tmp_path) -> None:
+    src = Source(str(tmp_path), timeout=0.2)
+    gate, started = threading.Event(), threading.Event()
+    for _ in range(2):
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await src.run(_blocked, gate, started)
+        assert e.value.errno == errno.EIO
+    assert src.timeouts == 2 and not src.healthy
+    gate.set()
+    assert await src.run(len, b"abc") == 3
+    assert src.healthy
