@@ -322,7 +322,7 @@ class Service:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
         with _refusing():
             share = await self.sampling.order_async(
-                request, self.cache.resident_keys, group, self._job_row(pid)
+                request, self._cached_keys, group, self._job_row(pid)
             )
         members = self.cache.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
@@ -363,6 +363,11 @@ class Service:
                 if isinstance(policy, Owned):
                     policy.reclassify()
         return order
+
+    def _cached_keys(self) -> list[int]:
+        """Every key in any tier (blocks' negative ones too): a list copies at C speed."""
+        ssd = self.cache.ssd
+        return list(self.cache.entries) + (list(ssd.index) if ssd is not None else [])
 
     def _resident(self, keys: np.ndarray) -> np.ndarray:
         return np.isin(keys, self.cache.resident_keys())

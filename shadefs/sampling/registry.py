@@ -139,6 +139,17 @@ def _place(
     return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
 
 
+def _build_over(
+    scores: np.ndarray,
+    keys: np.ndarray,
+    cached: Sequence[int] | np.ndarray,
+    params: pads.OrderParams,
+) -> np.ndarray:
+    """`_build` with the residency of `keys` among the `cached` keys (a worker thread)."""
+    held = np.asarray(cached, dtype=np.int64)
+    return _build(scores, np.isin(keys, held[held >= 0].astype(np.uint64)), params)
+
+
 class Sampling:
     """The registered dataset, its importance table, and the epoch orders handed out."""
 
@@ -283,14 +294,15 @@ class Sampling:
     async def order_async(
         self,
         request: wire.OrderRequest,
-        cached: Callable[[], np.ndarray],
+        cached: Callable[[], Sequence[int] | np.ndarray],
         group: str = "",
         job: int | None = None,
     ) -> np.ndarray:
-        """`order`, with the build over snapshots (the scores, `cached()`: every cached key
-        as uint64) in a worker thread, so that the event loop goes on serving reads. One
-        build per order at a time (a second request waits for it), and its result is kept
-        only if the dataset is still the one it was built for."""
+        """`order`, with the build over snapshots (the scores, `cached()`: every cached key,
+        blocks' negative ones included, as a list or an array) in a worker thread, so that
+        the event loop goes on serving reads. One build per order at a time (a second
+        request waits for it), and its result is kept only if the dataset is still the one
+        it was built for."""
         full = self._known(request, group)
         if full is not None:
             return self._serve(request, full, job)
@@ -303,8 +315,8 @@ class Sampling:
         generation = self._generation
         try:
             scores, keys, params = self.table.scores.copy(), self.keys, self._params(request)
-            resident = cached()
-            full = await trio.to_thread.run_sync(_build, scores, np.isin(keys, resident), params)
+            snapshot = cached()  # a copy: the thread must not read the live tiers
+            full = await trio.to_thread.run_sync(_build_over, scores, keys, snapshot, params)
         finally:
             del self._building[key]
             done.set()
