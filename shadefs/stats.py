@@ -35,13 +35,11 @@ VERSION = 1  # of the stats.json document
 class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
-    __slots__ = (
-        "hits", "misses", "bytes_served", "passthrough_opens", "control_errors", "started",
-        "requests",  # FUSE requests by handler name (fs/operations.py counts them)
-    )  # fmt: skip
+    __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors",
+                 "started", "requests")  # fmt: skip
 
     def __init__(self) -> None:
-        self.requests: dict[str, int] = {}
+        self.requests: dict[str, int] = {}  # FUSE requests by handler (fs/operations.py)
         self.hits = 0
         self.misses = 0
         self.bytes_served = 0
@@ -274,8 +272,7 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
-    # Admissions refused for a sample a known order still reads (the cache is full of such
-    # samples: members of a sweep group further apart than it bridges, say).
+    # Admissions refused for a sample a known order still reads (a full cache of such).
     unbridged: int = 0
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0
