@@ -15,10 +15,16 @@ a worker thread behind `Source`'s limiter and timeout, with the file's signature
 an fstat on the same descriptor after the read, so bytes of a file that changed meanwhile are
 served to that reader but never cached.
 
-Read-ahead: opening a file and every read of block i start loading the next blocks, up to
-`window` bytes over all open files (the prefetch window). A block that read-ahead loaded but
-the policy did not admit waits in its handle (`staged`) until the reader takes it; staged
-bytes count against the window, so read-ahead never holds more than the window.
+Sequential or random (cache/extents.py): a handle streams while its reads continue one
+another. A random read of a block that is not resident and would not be kept gets
+the asked range rounded out to 32 KiB extents, never the whole block; the extents stay in a
+small LRU within the read-ahead window.
+
+Read-ahead: every streaming read of block i starts loading the next blocks, up to `window`
+bytes over all open files (the prefetch window). Opening a file fetches nothing: a reader
+that only reads the footer pays for the footer. A block that read-ahead loaded but the
+policy did not admit waits in its handle (`staged`) until the reader takes it; staged
+bytes and kept extents count against the window, so read-ahead never holds more than it.
 
 Revalidation: each block-cached file's signature is remembered; an open that sees another
 signature drops every block of the file in both tiers before anything is served.
@@ -45,6 +51,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.extents import EXTENT, Extents, TouchLog, extent_span, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -75,6 +82,8 @@ class BlockHandle:
         "pos",
         "cur",
         "cur_data",
+        "next_off",
+        "streak",
     )
 
     def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
@@ -95,6 +104,8 @@ class BlockHandle:
         # requests (1 MiB reads of an 8 MiB block) but loaded once.
         self.cur = -1
         self.cur_data = b""
+        self.next_off = 0  # where the last read ended: the next one is sequential there
+        self.streak = 1  # reads in a row that continued the last (cache/extents.py)
 
 
 class Blocks:
@@ -123,6 +134,11 @@ class Blocks:
         self._sigs: dict[int, Signature] = {}  # file key -> signature its blocks belong to
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
+        self.extent = min(EXTENT, block_size)
+        self.extents = Extents(self.window // 4)  # random reads' extents, in the window
+        self.touches = TouchLog()
+        self.range_loads = 0  # random reads fetched as extents rather than whole blocks
+        self.range_bytes = 0
         self.hits = 0
         self.ssd_loads = 0
         self.source_loads = 0
@@ -174,7 +190,6 @@ class Blocks:
             # Opened now, like a pass-through handle: the handle reads the file it opened,
             # whatever is renamed or swapped in at its path later.
             h.fd = await self.source.open_fd(path)
-            self._read_ahead(h, 0)
             return h, False
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).
@@ -212,21 +227,69 @@ class Blocks:
         end = min(off + size, h.size)
         if off >= end:
             return b""
+        h.streak = streak(h.streak, h.next_off, off)
+        h.next_off = end
+        stream = h.streak >= 2
         bs = self.block_size
         first, last = off // bs, (end - 1) // bs
         if first == last:
-            data = await self._block(h, first)
-            self._read_ahead(h, first + 1)
             base = first * bs
+            if not stream and self._partial(h, first):
+                return await self._range(h, first, off, end)
+            data = await self._block(h, first)
+            if stream:
+                self._read_ahead(h, first + 1)
             # A slice of the block, not a copy: pyfuse3 takes any buffer.
             return memoryview(data)[off - base : end - base]  # type: ignore[return-value]
-        parts = []
+        parts: list[bytes | memoryview] = []
         for i in range(first, last + 1):
-            data = await self._block(h, i)
             base = i * bs
-            parts.append(memoryview(data)[max(off - base, 0) : min(end - base, len(data))])
-        self._read_ahead(h, last + 1)
+            lo, hi = max(off, base), min(end, base + bs)
+            if not stream and self._partial(h, i):
+                parts.append(await self._range(h, i, lo, hi))
+                continue
+            data = await self._block(h, i)
+            parts.append(memoryview(data)[lo - base : hi - base])
+        if stream:
+            self._read_ahead(h, last + 1)
         return b"".join(parts)
+
+    def _partial(self, h: BlockHandle, i: int) -> bool:
+        """Whether a random read of block i should fetch extents rather than the block:
+        the block is nowhere at hand and would not stay in RAM (cache/extents.py)."""
+        if h.cur == i or i in h.staged:
+            return False
+        bkey = block_key(h.key, i)
+        entry = self.cache.entries.get(bkey)
+        if entry is not None and entry.sig == h.sig or bkey in self._flights:
+            return False
+        ssd = self.cache.ssd
+        if ssd is not None and bkey in ssd.index:
+            return False  # local: a whole block costs no link
+        cache, bs = self.cache, self.block_size
+        n = min(bs, h.size - i * bs)
+        return not self.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
+
+    async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
+        """[off, end) of block i from its extents, fetching the missing ones in one read."""
+        bs, ext = self.block_size, self.extent
+        base = i * bs
+        bend = min(base + bs, h.size)
+        bkey = block_key(h.key, i)
+        if not h.seen[i]:
+            h.seen[i] = 1
+            self.cache.policy.accessed(bkey, False)
+        first, stop = extent_span(off, end, base, ext)
+        data = self.extents.span(bkey, first, stop, h.sig)
+        if data is None:
+            lo = base + first * ext
+            data, clean = await self._pread(h, min(base + stop * ext, bend) - lo, lo)
+            self.range_loads += 1
+            self.range_bytes += len(data)
+            if clean:
+                self.extents.store(bkey, first, h.sig, data, ext)
+        skip = off - base - first * ext
+        return memoryview(data)[skip : skip + end - off]  # type: ignore[return-value]
 
     async def _block(self, h: BlockHandle, i: int) -> bytes:
         if h.cur == i:
@@ -325,10 +388,12 @@ class Blocks:
         i = max(start, h.ahead_to)
         stop = min(h.nblocks, start + ahead)
         entries = self.cache.entries
-        while i < stop and self.ahead_bytes + bs <= self.window:
+        held = self.ahead_bytes + self.extents.bytes
+        while i < stop and held + bs <= self.window:
             bkey = block_key(h.key, i)
             if bkey not in entries and bkey not in self._flights and i not in h.staged:
                 self.ahead_bytes += bs
+                held += bs
                 self.read_ahead += 1
                 nursery.start_soon(self._ahead, h, i)
             i += 1
@@ -365,6 +430,10 @@ class Blocks:
             source_loads=self.source_loads,
             read_ahead=self.read_ahead,
             ahead_bytes=self.ahead_bytes,
+            range_loads=self.range_loads,
+            range_bytes=self.range_bytes,
+            extent_hits=self.extents.hits,
+            extent_bytes=self.extents.bytes,
             revalidated=self.revalidated,
         )
 

@@ -1,0 +1,139 @@
+"""Random readers of block-cached files fetch what they read (cache/extents.py).
+
+Handler-level tests over a built service, at small scale: blocks of 256 KiB and 32 KiB
+extents stand in for 8 MiB blocks, so the ratios match the issue's case (4 x 12 MiB files,
+14 MiB of RAM: 1.5 blocks per file, RAM for 1.75 blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import trio
+
+from shadefs.cache.extents import EXTENT, Extents, streak
+from shadefs.cache.ssd_format import Signature
+from tests.conftest import make_tree
+from tests.test_fs_api import CTX, lookup_path, make_fs
+
+BS = 256 << 10
+
+
+async def _pread(ops, fh: int, off: int, n: int) -> bytes:
+    return bytes(await ops.read(fh, off, n))
+
+
+async def test_random_small_reads_fetch_extents_not_whole_blocks(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    files = {f"d/f{i}.mdb": rng.randbytes(BS * 3 // 2) for i in range(4)}
+    total = sum(len(d) for d in files.values())
+    src = make_tree(tmp_path / "src", files)
+    ops, svc = make_fs(src, ram=BS * 14 // 8, block_size=BS)
+    assert svc.blocks.applies(BS * 3 // 2)
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        fhs = {}
+        for name in files:
+            fhs[name] = (await ops.open(await lookup_path(ops, name), os.O_RDONLY, CTX)).fh
+        names = sorted(files)
+        for _ in range(300):
+            name = rng.choice(names)
+            off = rng.randrange(len(files[name]) // 4096) * 4096
+            assert await _pread(ops, fhs[name], off, 4096) == files[name][off : off + 4096]
+        for fh in fhs.values():
+            await ops.release(fh)
+        nursery.cancel_scope.cancel()
+    b = svc.stats().blocks
+    assert b is not None and b.range_loads > 0 and b.extent_hits > 0
+    # Before: every read of a block the RAM could not keep loaded all of it (~300 blocks).
+    assert svc.source.bytes_read <= total, (svc.source.bytes_read, total)
+    assert svc.cache.used <= svc.cache.capacity
+
+
+async def test_a_random_reader_whose_blocks_fit_gets_them_whole(tmp_path: Path) -> None:
+    rng = random.Random(2)
+    data = rng.randbytes(4 * BS)
+    src = make_tree(tmp_path / "src", {"f.h5": data})
+    ops, svc = make_fs(src, ram=8 << 20, block_size=BS, max_entry=64 << 10)
+    ino = await lookup_path(ops, "f.h5")
+    for _ in range(2):
+        fi = await ops.open(ino, os.O_RDONLY, CTX)
+        for _ in range(100):
+            off = rng.randrange(len(data) - 5000)
+            assert await _pread(ops, fi.fh, off, 5000) == data[off : off + 5000]
+        await ops.release(fi.fh)
+    # The RAM tier had room: each block came once, whole, and the second pass hit.
+    assert svc.source.bytes_read == len(data)
+    assert svc.stats().blocks.range_loads == 0  # type: ignore[union-attr]
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert fi.keep_cache
+    await ops.release(fi.fh)
+
+
+async def test_a_full_ram_tier_admits_a_block_on_its_second_touch_if_the_set_fits(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(3)
+    files = {name: rng.randbytes(2 * BS) for name in ("a.bin", "b.bin", "c.h5")}
+    src = make_tree(tmp_path / "src", files)
+    ops, svc = make_fs(src, ram=4 * BS, block_size=BS, max_entry=64 << 10)
+    for name in ("a.bin", "b.bin"):  # streams: whole blocks, which fill the RAM tier
+        fi = await ops.open(await lookup_path(ops, name), os.O_RDONLY, CTX)
+        assert await _pread(ops, fi.fh, 0, 2 * BS) == files[name]
+        await ops.release(fi.fh)
+    assert svc.cache.used == svc.cache.capacity
+    fi = await ops.open(await lookup_path(ops, "c.h5"), os.O_RDONLY, CTX)
+    before = svc.source.bytes_read
+    await _pread(ops, fi.fh, BS + 8192, 4096)  # first random touch: one extent
+    assert svc.source.bytes_read - before == EXTENT
+    await _pread(ops, fi.fh, BS + 100_000, 4096)  # second touch, the set fits: whole
+    assert svc.source.bytes_read - before == EXTENT + BS
+    assert await _pread(ops, fi.fh, BS + 200_000, 4096) == files["c.h5"][BS + 200_000 :][:4096]
+    assert svc.source.bytes_read - before == EXTENT + BS  # kept: a hit
+    await ops.release(fi.fh)
+
+
+async def test_opening_a_block_cached_file_fetches_nothing(tmp_path: Path) -> None:
+    rng = random.Random(4)
+    data, fill = rng.randbytes(6 * BS), rng.randbytes(6 * BS)
+    src = make_tree(tmp_path / "src", {"t.parquet": data, "fill.bin": fill})
+    ops, svc = make_fs(src, ram=6 * BS + 1000, block_size=BS, max_entry=64 << 10)
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        fi = await ops.open(await lookup_path(ops, "fill.bin"), os.O_RDONLY, CTX)
+        assert await _pread(ops, fi.fh, 0, len(fill)) == fill  # the RAM tier is full
+        await ops.release(fi.fh)
+        await trio.sleep(0.2)
+        before = svc.source.bytes_read
+        fi = await ops.open(await lookup_path(ops, "t.parquet"), os.O_RDONLY, CTX)
+        await trio.sleep(0.2)
+        assert svc.source.bytes_read == before
+        # A footer read (Parquet's first) is random: it costs an extent, not a block.
+        tail = len(data) - 8
+        assert await _pread(ops, fi.fh, tail, 8) == data[tail:]
+        await trio.sleep(0.2)
+        assert svc.source.bytes_read - before == EXTENT
+        # Then a column chunk read as a stream gets whole blocks and read-ahead.
+        for off in range(BS, 3 * BS, 64 << 10):
+            assert await _pread(ops, fi.fh, off, 64 << 10) == data[off : off + (64 << 10)]
+        await ops.release(fi.fh)
+        nursery.cancel_scope.cancel()
+    b = svc.stats().blocks
+    # Extents for the footer and the jump; the block's second touch loads it whole.
+    assert b is not None and b.read_ahead > 0 and b.range_loads == 2
+
+
+def test_sequential_judgement_and_the_extent_lru() -> None:
+    assert streak(1, 0, 0) == 2 and streak(2, 1 << 20, 1 << 20) == 3  # streams
+    assert streak(1, 0, 8192) == 0 and streak(5, 1 << 20, 0) == 0  # jumps
+    assert streak(0, 4096, 4096) == 1  # one read that follows a jump: not yet a stream
+    sig, other = Signature(9, 1, 1, 1), Signature(9, 2, 1, 1)
+    ext = Extents(limit=10)
+    ext.put(-1, 0, sig, b"aaaa")
+    ext.put(-1, 1, sig, b"bbbb")
+    assert ext.get(-1, 0, sig) == b"aaaa"  # now the most recently used
+    ext.put(-1, 2, sig, b"cccc")  # over the limit: the least recently used goes
+    assert ext.get(-1, 1, sig) is None and ext.bytes == 8
+    assert ext.get(-1, 0, other) is None and ext.bytes == 4  # another version: dropped
