@@ -32,6 +32,7 @@ async def test_random_small_reads_fetch_extents_not_whole_blocks(tmp_path: Path)
     src = make_tree(tmp_path / "src", files)
     ops, svc = make_fs(src, ram=BS * 14 // 8, block_size=BS)
     assert svc.blocks.applies(BS * 3 // 2)
+    svc.blocks.ranges.check_period = 0.0  # every extent read signed: kept at once
     async with trio.open_nursery() as nursery:
         svc.start(nursery)
         fhs = {}
@@ -123,6 +124,52 @@ async def test_opening_a_block_cached_file_fetches_nothing(tmp_path: Path) -> No
     b = svc.stats().blocks
     # Extents for the footer and the jump; the block's second touch loads it whole.
     assert b is not None and b.read_ahead > 0 and b.range_loads == 2
+
+
+async def test_unsigned_extents_wait_for_a_signed_read_and_die_with_a_change(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(5)
+    data = rng.randbytes(2 * BS)
+    src = make_tree(tmp_path / "src", {"f.mdb": data, "fill": rng.randbytes(2 * BS)})
+    ops, svc = make_fs(src, ram=2 * BS, block_size=BS, max_entry=64 << 10, revalidate=0.0)
+    fi = await ops.open(await lookup_path(ops, "fill"), os.O_RDONLY, CTX)
+    await _pread(ops, fi.fh, 0, 2 * BS)  # the RAM tier is full: extents from here on
+    await ops.release(fi.fh)
+    ranges = svc.blocks.ranges
+    ino = await lookup_path(ops, "f.mdb")
+    a = await ops.open(ino, os.O_RDONLY, CTX)
+    b = await ops.open(ino, os.O_RDONLY, CTX)
+    ranges.check_period = 3600.0
+    for off in (BS + 4096, 8192, 70_000):  # the first is signed, the others wait
+        assert await _pread(ops, a.fh, off, 100) == data[off : off + 100]
+    assert ranges.extents.bytes == EXTENT and len(svc.blocks.ranges.extents._items) == 1
+    before = svc.source.bytes_read
+    assert await _pread(ops, b.fh, 8192, 100) == data[8192:8292]  # not served: unconfirmed
+    assert svc.source.bytes_read - before == EXTENT
+    ranges.check_period = 0.0
+    assert await _pread(ops, a.fh, BS + 100_000, 100) == data[BS + 100_000 :][:100]
+    assert ranges.extents.bytes == 4 * EXTENT  # the signed read confirmed those before it
+    before = svc.source.bytes_read
+    assert await _pread(ops, b.fh, 70_000, 100) == data[70_000:70_100]
+    assert svc.source.bytes_read == before
+    await ops.release(b.fh)
+    # The file changes in place: an unsigned read is served, a signed one drops it.
+    ranges.check_period = 3600.0
+    with open(src / "f.mdb", "r+b") as f:
+        f.seek(150_000)
+        f.write(b"x" * 10)
+    new = (src / "f.mdb").read_bytes()
+    assert await _pread(ops, a.fh, 150_000, 100) == new[150_000:150_100]
+    ranges.check_period = 0.0
+    held = ranges.extents.bytes
+    assert await _pread(ops, a.fh, 200_000, 100) == new[200_000:200_100]
+    assert ranges.extents.bytes == held and not _pending(svc, a.fh)
+    await ops.release(a.fh)
+
+
+def _pending(svc, fh: int) -> list:
+    return svc.operations._blk[fh].pending
 
 
 def test_sequential_judgement_and_the_extent_lru() -> None:

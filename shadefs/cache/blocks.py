@@ -51,7 +51,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import EXTENT, Extents, TouchLog, extent_span, streak
+from shadefs.cache.extents import Ranges, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -84,6 +84,8 @@ class BlockHandle:
         "cur_data",
         "next_off",
         "streak",
+        "checked",
+        "pending",
     )
 
     def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
@@ -106,6 +108,8 @@ class BlockHandle:
         self.cur_data = b""
         self.next_off = 0  # where the last read ended: the next one is sequential there
         self.streak = 1  # reads in a row that continued the last (cache/extents.py)
+        self.checked = -1e9  # when its last signed extent read began
+        self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
 
 
 class Blocks:
@@ -134,11 +138,8 @@ class Blocks:
         self._sigs: dict[int, Signature] = {}  # file key -> signature its blocks belong to
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
-        self.extent = min(EXTENT, block_size)
-        self.extents = Extents(self.window // 4)  # random reads' extents, in the window
-        self.touches = TouchLog()
-        self.range_loads = 0  # random reads fetched as extents rather than whole blocks
-        self.range_bytes = 0
+        # Random reads' extents (cache/extents.py), within a quarter of the window.
+        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4)
         self.hits = 0
         self.ssd_loads = 0
         self.source_loads = 0
@@ -268,28 +269,13 @@ class Blocks:
             return False  # local: a whole block costs no link
         cache, bs = self.cache, self.block_size
         n = min(bs, h.size - i * bs)
-        return not self.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
+        return not self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
 
     async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
-        """[off, end) of block i from its extents, fetching the missing ones in one read."""
-        bs, ext = self.block_size, self.extent
-        base = i * bs
-        bend = min(base + bs, h.size)
-        bkey = block_key(h.key, i)
         if not h.seen[i]:
             h.seen[i] = 1
-            self.cache.policy.accessed(bkey, False)
-        first, stop = extent_span(off, end, base, ext)
-        data = self.extents.span(bkey, first, stop, h.sig)
-        if data is None:
-            lo = base + first * ext
-            data, clean = await self._pread(h, min(base + stop * ext, bend) - lo, lo)
-            self.range_loads += 1
-            self.range_bytes += len(data)
-            if clean:
-                self.extents.store(bkey, first, h.sig, data, ext)
-        skip = off - base - first * ext
-        return memoryview(data)[skip : skip + end - off]  # type: ignore[return-value]
+            self.cache.policy.accessed(block_key(h.key, i), False)
+        return await self.ranges.read(h, i, off, end)
 
     async def _block(self, h: BlockHandle, i: int) -> bytes:
         if h.cur == i:
@@ -355,8 +341,11 @@ class Blocks:
         if self._sigs.get(h.key) == h.sig:  # not if the file changed meanwhile
             self.cache.admit(bkey, data, h.sig)
 
-    async def _pread(self, h: BlockHandle, n: int, off: int) -> tuple[bytes, bool]:
-        """n bytes at off from the source; clean is False if the file changed meanwhile."""
+    async def _pread(
+        self, h: BlockHandle, n: int, off: int, signed: bool = True
+    ) -> tuple[bytes, bool]:
+        """n bytes at off from the source; clean is False if the file changed meanwhile
+        (`signed`: checked by an fstat after the read; else only whether it is whole)."""
         if h.fd < 0:
             fd = await self.source.open_fd(h.path)
             if h.fd < 0 and not h.closed:
@@ -367,14 +356,14 @@ class Blocks:
                     raise pyfuse3.FUSEError(errno.EBADF)
         h.users += 1
         try:
-            data, st = await self.source.run(_pread_stat, h.fd, n, off)
+            data, st = await self.source.run(_pread_stat, h.fd, n, off, signed)
         finally:
             h.users -= 1
             if h.closed and h.users == 0 and h.fd >= 0:
                 fd, h.fd = h.fd, -1
                 await self.source.close_fd(fd)
         self.source.bytes_read += len(data)
-        return data, len(data) == n and Signature.of(st) == h.sig
+        return data, len(data) == n and (st is None or Signature.of(st) == h.sig)
 
     # --- read-ahead -------------------------------------------------------------------
 
@@ -388,7 +377,7 @@ class Blocks:
         i = max(start, h.ahead_to)
         stop = min(h.nblocks, start + ahead)
         entries = self.cache.entries
-        held = self.ahead_bytes + self.extents.bytes
+        held = self.ahead_bytes + self.ranges.extents.bytes
         while i < stop and held + bs <= self.window:
             bkey = block_key(h.key, i)
             if bkey not in entries and bkey not in self._flights and i not in h.staged:
@@ -430,15 +419,15 @@ class Blocks:
             source_loads=self.source_loads,
             read_ahead=self.read_ahead,
             ahead_bytes=self.ahead_bytes,
-            range_loads=self.range_loads,
-            range_bytes=self.range_bytes,
-            extent_hits=self.extents.hits,
-            extent_bytes=self.extents.bytes,
+            range_loads=self.ranges.loads,
+            range_bytes=self.ranges.bytes,
+            extent_hits=self.ranges.extents.hits,
+            extent_bytes=self.ranges.extents.bytes,
             revalidated=self.revalidated,
         )
 
 
-def _pread_stat(fd: int, n: int, off: int) -> tuple[bytes, os.stat_result]:
+def _pread_stat(fd: int, n: int, off: int, signed: bool) -> tuple[bytes, os.stat_result | None]:
     """One worker-thread call: read, then fstat the same descriptor to sign the bytes."""
     data = os.pread(fd, n, off)
     while 0 < len(data) < n:  # short reads of NFS are legal
@@ -446,4 +435,4 @@ def _pread_stat(fd: int, n: int, off: int) -> tuple[bytes, os.stat_result]:
         if not more:
             break
         data += more
-    return data, os.fstat(fd)
+    return data, os.fstat(fd) if signed else None

@@ -27,18 +27,94 @@ RAM pulled 2 GiB from the source. So, per open file:
   blocks as the budget holds, so it forgets a working set the readers left. Otherwise the
   block would only thrash.
 
-Everything here runs in the trio thread and never awaits; blocks.py does the reads.
+- **One fstat a second, not one a read.** A whole block is signed by an fstat on its
+  descriptor after the read. An extent is too small to pay that (on a filer without
+  attribute caching it is a second round trip per 4 KiB read), so a handle's extent reads
+  go without one, and wait in the handle (`pending`, unserved to others) until the handle's
+  next signed read, at most `CHECK_PERIOD` later: a signature that still matches then
+  proves the file unchanged since the open (any change moves its ctime), so the extents
+  read before it are of the opened version and join the LRU. A mismatch drops them.
+
+Everything here runs in the trio thread; reads go through the `PRead` callable that
+blocks.py hands in (its positional read, behind the source's limiter and timeout).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
+from shadefs.cache.block_keys import block_key
 from shadefs.cache.ssd_format import Signature
 
-__all__ = ["EXTENT", "Extents", "TouchLog", "extent_span", "streak"]
+__all__ = ["EXTENT", "Extents", "Ranges", "TouchLog", "extent_span", "streak"]
 
 EXTENT = 32 << 10
+CHECK_PERIOD = 1.0  # seconds between the signed extent reads of one handle
+
+
+class RangeHandle(Protocol):
+    """What `Ranges` reads of a block handle (cache/blocks.py `BlockHandle`)."""
+
+    key: int
+    size: int
+    sig: Signature
+    checked: float  # when its last signed read was dispatched
+    pending: list[tuple[int, int, bytes]]  # (block key, first extent, bytes) unconfirmed
+
+
+H = TypeVar("H", bound=RangeHandle)
+
+
+class Ranges(Generic[H]):
+    """Random reads served from extents: the LRU, the touch log and the counters."""
+
+    def __init__(
+        self,
+        pread: Callable[[H, int, int, bool], Awaitable[tuple[bytes, bool]]],
+        block_size: int,
+        limit: int,
+    ) -> None:
+        """`pread(handle, n, offset, signed)` -> (bytes, clean): clean is False if a signed
+        read found the file changed; an unsigned read is clean when it is whole."""
+        self._pread = pread
+        self.block_size = block_size
+        self.extent = min(EXTENT, block_size)
+        self.extents = Extents(limit)
+        self.touches = TouchLog()
+        self.check_period = CHECK_PERIOD
+        self.loads = 0
+        self.bytes = 0
+
+    async def read(self, h: H, i: int, off: int, end: int) -> bytes:
+        """[off, end) of block i from its extents, fetching the missing ones in one read."""
+        bs, ext = self.block_size, self.extent
+        base = i * bs
+        bkey = block_key(h.key, i)
+        first, stop = extent_span(off, end, base, ext)
+        data = self.extents.span(bkey, first, stop, h.sig)
+        if data is None:
+            lo = base + first * ext
+            n = min(base + stop * ext, base + bs, h.size) - lo
+            now = time.monotonic()
+            signed = now - h.checked >= self.check_period
+            confirm: list[tuple[int, int, bytes]] = []
+            if signed:
+                h.checked, confirm, h.pending = now, h.pending, []
+            data, clean = await self._pread(h, n, lo, signed)
+            self.loads += 1
+            self.bytes += len(data)
+            if clean:
+                if signed:
+                    for k, x, d in confirm:
+                        self.extents.store(k, x, h.sig, d, ext)
+                    self.extents.store(bkey, first, h.sig, data, ext)
+                elif sum(len(d) for _, _, d in h.pending) < self.extents.limit:
+                    h.pending.append((bkey, first, data))
+        skip = off - base - first * ext
+        return memoryview(data)[skip : skip + end - off]  # type: ignore[return-value]
 
 
 class Extents:
