@@ -184,3 +184,60 @@ def test_sequential_judgement_and_the_extent_lru() -> None:
     ext.put(-1, 2, sig, b"cccc")  # over the limit: the least recently used goes
     assert ext.get(-1, 1, sig) is None and ext.bytes == 8
     assert ext.get(-1, 0, other) is None and ext.bytes == 4  # another version: dropped
+
+
+async def _ssd_settled(svc) -> None:
+    while svc.ssd.queued or svc.blocks.ahead_bytes:
+        await trio.sleep(0.02)
+
+
+async def test_a_file_above_the_handle_limit_reaches_the_ssd_tier(tmp_path: Path) -> None:
+    data = random.Random(6).randbytes(4 * BS + 5000)
+    src = make_tree(tmp_path / "src", {"big.tar": data})
+    # RAM 256K (and so --handle-limit 256K), an SSD tier that caches 1 MiB files whole.
+    ops, svc = make_fs(src, ram=BS, block_size=BS, ssd=str(tmp_path / "ssd"), ssd_size=64 << 20)
+    assert svc.cache.handle_limit < len(data) <= svc.ssd.max_entry
+    ino = await lookup_path(ops, "big.tar")
+    first = 0
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        for _ in range(2):
+            fi = await ops.open(ino, os.O_RDONLY, CTX)
+            got = [await _pread(ops, fi.fh, off, 65536) for off in range(0, len(data), 65536)]
+            assert b"".join(got) == data
+            await ops.release(fi.fh)
+            await _ssd_settled(svc)
+            if not first:
+                first = svc.source.bytes_read
+        nursery.cancel_scope.cancel()
+    # Before: read through on every open (above --handle-limit), never cached.
+    assert svc.metrics.passthrough_opens == 0
+    assert first == len(data) and svc.source.bytes_read - first <= 0.02 * len(data)
+
+
+async def test_random_readers_of_held_open_files_fill_the_ssd_tier(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    files = {f"f{i}.h5": rng.randbytes(5 * BS // 2) for i in range(4)}
+    total = sum(len(d) for d in files.values())
+    src = make_tree(tmp_path / "src", files)
+    ops, svc = make_fs(src, ram=BS, block_size=BS, ssd=str(tmp_path / "ssd"), ssd_size=64 << 20)
+    fetched = []
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        for _epoch in range(2):
+            before = svc.source.bytes_read
+            fhs = {
+                n: (await ops.open(await lookup_path(ops, n), os.O_RDONLY, CTX)).fh for n in files
+            }
+            for _ in range(200):
+                name = rng.choice(sorted(files))
+                off = rng.randrange(len(files[name]) // 4096) * 4096
+                assert await _pread(ops, fhs[name], off, 4096) == files[name][off : off + 4096]
+                await trio.sleep(0)  # let the background loads run
+            await _ssd_settled(svc)
+            for fh in fhs.values():
+                await ops.release(fh)
+            await _ssd_settled(svc)
+            fetched.append(svc.source.bytes_read - before)
+        nursery.cancel_scope.cancel()
+    assert fetched[1] <= 0.02 * total, (fetched, total)

@@ -1,7 +1,8 @@
 """Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
 
 A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
-SSD tier's largest entry) and up to the pass-through limit is never fetched whole. Each
+SSD tier's largest entry) and up to the pass-through limit is never fetched whole; nor is
+one the SSD tier would cache whole while open handles hold `--handle-limit` (`takes`). Each
 block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
 the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
 (admitted through `Cache.admit`, so the RAM budget counts blocks and the policy chooses
@@ -16,9 +17,9 @@ an fstat on the same descriptor after the read, so bytes of a file that changed 
 served to that reader but never cached.
 
 Sequential or random (cache/extents.py): a handle streams while its reads continue one
-another. A random read of a block that is not resident and would not be kept gets
-the asked range rounded out to 32 KiB extents, never the whole block; the extents stay in a
-small LRU within the read-ahead window.
+another. A random read of a block that is not resident and would not be kept gets the asked
+range rounded out to 32 KiB extents, never the whole block (kept in a small LRU within the
+read-ahead window); with room on the SSD tier, the block is loaded in the background too.
 
 Read-ahead: every streaming read of block i starts loading the next blocks, up to `window`
 bytes over all open files (the prefetch window). Opening a file fetches nothing: a reader
@@ -35,23 +36,21 @@ counted twice, which would look like a new epoch); `lru` and `belady` order bloc
 ranks a block by its file's importance (the coordinator maps block keys to file keys).
 
 Concurrency: everything runs in the trio thread except the source reads. After each await
-the state is re-read (the entry may have been evicted, the handle released). A handle's
-source descriptor is closed only once no read of it is in flight (`_Handle.users`), so a
-descriptor number is never reused under a running pread.
+the state is re-read. A handle's descriptor is closed only once no read of it is in flight
+(`BlockHandle.users`): a descriptor number is never reused under a running pread.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 
 import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import Ranges, streak
+from shadefs.cache.extents import Ranges, pread_stat, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -67,26 +66,12 @@ DEFAULT_BLOCK_SIZE = 8 << 20
 class BlockHandle:
     """One open of a block-cached file."""
 
+    # fmt: off
     __slots__ = (
-        "key",
-        "path",
-        "sig",
-        "size",
-        "nblocks",
-        "fd",
-        "users",
-        "closed",
-        "staged",
-        "seen",
-        "ahead_to",
-        "pos",
-        "cur",
-        "cur_data",
-        "next_off",
-        "streak",
-        "checked",
-        "pending",
+        "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
+        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending",
     )
+    # fmt: on
 
     def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
         self.key = key
@@ -168,6 +153,18 @@ class Blocks:
 
     def applies(self, size: int) -> bool:
         return self.threshold < size <= self.passthrough_above
+
+    def takes(self, key: int, size: int) -> bool:
+        """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
+        blocks: above every tier's whole-file limit, or one the SSD tier would cache whole
+        when open handles already hold too much to fetch it whole (`--handle-limit`). As
+        blocks it still reaches the SSD, a block at a time, instead of being read through."""
+        if size > self.threshold:
+            return size <= self.passthrough_above
+        cache, ssd = self.cache, self.cache.ssd
+        if ssd is None or key in ssd.index or size > self.passthrough_above:
+            return False
+        return cache.handles.held + size > cache.handle_limit
 
     # --- open / release ---------------------------------------------------------------
 
@@ -264,11 +261,16 @@ class Blocks:
         entry = self.cache.entries.get(bkey)
         if entry is not None and entry.sig == h.sig or bkey in self._flights:
             return False
-        ssd = self.cache.ssd
-        if ssd is not None and bkey in ssd.index:
-            return False  # local: a whole block costs no link
         cache, bs = self.cache, self.block_size
         n = min(bs, h.size - i * bs)
+        ssd = cache.ssd
+        if ssd is not None:
+            if bkey in ssd.index:
+                return False  # local: a whole block costs no link
+            if ssd.capacity - ssd.store.disk_bytes >= n:
+                # The SSD tier can keep it: load it whole in the background (read-ahead
+                # for the SSD's write-behind) and serve this read from an extent.
+                self._fill(h, i)
         return not self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
 
     async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
@@ -356,7 +358,7 @@ class Blocks:
                     raise pyfuse3.FUSEError(errno.EBADF)
         h.users += 1
         try:
-            data, st = await self.source.run(_pread_stat, h.fd, n, off, signed)
+            data, st = await self.source.run(pread_stat, h.fd, n, off, signed)
         finally:
             h.users -= 1
             if h.closed and h.users == 0 and h.fd >= 0:
@@ -387,6 +389,15 @@ class Blocks:
                 nursery.start_soon(self._ahead, h, i)
             i += 1
         h.ahead_to = max(h.ahead_to, i)
+
+    def _fill(self, h: BlockHandle, i: int) -> None:
+        """Start loading block i for a random reader, within the window; never awaits."""
+        bs, nursery = self.block_size, self._nursery
+        if nursery is None or self.ahead_bytes + self.ranges.extents.bytes + bs > self.window:
+            return
+        self.ahead_bytes += bs
+        self.read_ahead += 1
+        nursery.start_soon(self._ahead, h, i)
 
     async def _ahead(self, h: BlockHandle, i: int) -> None:
         bs = self.block_size
@@ -425,14 +436,3 @@ class Blocks:
             extent_bytes=self.ranges.extents.bytes,
             revalidated=self.revalidated,
         )
-
-
-def _pread_stat(fd: int, n: int, off: int, signed: bool) -> tuple[bytes, os.stat_result | None]:
-    """One worker-thread call: read, then fstat the same descriptor to sign the bytes."""
-    data = os.pread(fd, n, off)
-    while 0 < len(data) < n:  # short reads of NFS are legal
-        more = os.pread(fd, n - len(data), off + len(data))
-        if not more:
-            break
-        data += more
-    return data, os.fstat(fd) if signed else None

@@ -104,6 +104,7 @@ class Cache:
         self.capacity = capacity
         self._max_entry = max_entry
         self.whole_max = 0  # refresh_limits()
+        self.ram_max = 0  # max_entry as a plain attribute (every open compares with it)
         self._score_of = score_of
         self._owns = owns
         self.pending = pending
@@ -163,7 +164,8 @@ class Cache:
         """Recompute `whole_max`, the largest file some tier caches whole (larger ones are
         cached in blocks); after a budget changes. A plain attribute, because every open
         compares the file's size with it."""
-        self.whole_max = max(self.max_entry, self.ssd.max_entry if self.ssd else 0)
+        self.ram_max = self.max_entry
+        self.whole_max = max(self.ram_max, self.ssd.max_entry if self.ssd else 0)
 
     @property
     def handle_limit(self) -> int:

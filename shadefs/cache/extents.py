@@ -41,6 +41,7 @@ blocks.py hands in (its positional read, behind the source's limiter and timeout
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -49,7 +50,7 @@ from typing import Generic, Protocol, TypeVar
 from shadefs.cache.block_keys import block_key
 from shadefs.cache.ssd_format import Signature
 
-__all__ = ["EXTENT", "Extents", "Ranges", "TouchLog", "extent_span", "streak"]
+__all__ = ["EXTENT", "Extents", "Ranges", "TouchLog", "extent_span", "pread_stat", "streak"]
 
 EXTENT = 32 << 10
 CHECK_PERIOD = 1.0  # seconds between the signed extent reads of one handle
@@ -206,3 +207,15 @@ def extent_span(off: int, end: int, base: int, extent: int) -> tuple[int, int]:
     """(first, stop): the extents of the block at `base` that [off, end) touches (the grid
     starts at the block's start, so no extent straddles two blocks)."""
     return (off - base) // extent, -(-(end - base) // extent)
+
+
+def pread_stat(fd: int, n: int, off: int, signed: bool) -> tuple[bytes, os.stat_result | None]:
+    """One worker-thread call (blocks and extents): read, then, if `signed`, fstat the same
+    descriptor to sign the bytes."""
+    data = os.pread(fd, n, off)
+    while 0 < len(data) < n:  # short reads of NFS are legal
+        more = os.pread(fd, n - len(data), off + len(data))
+        if not more:
+            break
+        data += more
+    return data, os.fstat(fd) if signed else None

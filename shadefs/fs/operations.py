@@ -222,9 +222,9 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await _invalidate_attrs(inode)
-        if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+        if st.st_size > self.cache.ram_max:  # the one added test on the hit path
             blocks = self.blocks
-            if blocks is not None and blocks.applies(st.st_size):
+            if blocks is not None and blocks.takes(inode, st.st_size):
                 return await self._open_blocks(blocks, inode, path, st, changed)
         data = await self.cache.open(inode, path, st, ctx.pid)
         fh = self._next_fh

@@ -267,7 +267,8 @@ class _source:
     def __enter__(self) -> tuple[Path, Callable[[], int]]:
         if self.remote == "local":
             return self.src, lambda: 0
-        self._cm = slowfs_mounted(self.src, self.work / "remote", [])
+        # Page-cached, so that mmap clients (lmdb, np.memmap) can map its files.
+        self._cm = slowfs_mounted(self.src, self.work / "remote", ["--no-direct-io"])
         mnt, _ = self._cm.__enter__()  # type: ignore[attr-defined]
         return mnt, lambda: int(slowfs_stats(mnt)["bytes"])
 
