@@ -241,3 +241,26 @@ async def test_random_readers_of_held_open_files_fill_the_ssd_tier(tmp_path: Pat
             fetched.append(svc.source.bytes_read - before)
         nursery.cancel_scope.cancel()
     assert fetched[1] <= 0.02 * total, (fetched, total)
+
+
+async def test_a_reopen_before_the_ssd_write_lands_fetches_nothing(tmp_path: Path) -> None:
+    data = random.Random(8).randbytes(1 << 20)
+    src = make_tree(tmp_path / "src", {"t.parquet": data})
+    ops, svc = make_fs(
+        src,
+        ram=BS,
+        block_size=BS,
+        ssd=str(tmp_path / "ssd"),
+        ssd_size=64 << 20,
+        handle_limit=8 << 20,
+    )
+    ino = await lookup_path(ops, "t.parquet")
+    # No writer runs (no nursery): the write-behind stays queued through both opens.
+    fi = await ops.open(ino, os.O_RDONLY, CTX)  # the footer first, as pq.read_table does
+    assert await _pread(ops, fi.fh, len(data) - 8, 8) == data[-8:]
+    await ops.release(fi.fh)
+    assert svc.ssd.queued == 1 and svc.source.bytes_read == len(data)
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert await _pread(ops, fi.fh, 0, len(data)) == data
+    await ops.release(fi.fh)
+    assert svc.source.bytes_read == len(data) and svc.ssd.joined == 1
