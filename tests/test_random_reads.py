@@ -11,6 +11,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import trio
 
 from shadefs.cache.extents import EXTENT, Extents, streak
@@ -264,3 +265,50 @@ async def test_a_reopen_before_the_ssd_write_lands_fetches_nothing(tmp_path: Pat
     assert await _pread(ops, fi.fh, 0, len(data)) == data
     await ops.release(fi.fh)
     assert svc.source.bytes_read == len(data) and svc.ssd.joined == 1
+
+
+async def test_block_cached_opens_count_as_hits_or_misses_and_ctl_sees_their_blocks(
+    tmp_path: Path,
+) -> None:
+    data = random.Random(9).randbytes(3 * BS)
+    src = make_tree(tmp_path / "src", {"d/s.tar": data})
+    ops, svc = make_fs(src, ram=8 << 20, block_size=BS, max_entry=64 << 10)
+    ino = await lookup_path(ops, "d/s.tar")
+    assert await svc.residency([b"d/s.tar"]) == ["none"]
+    for _ in range(2):
+        fi = await ops.open(ino, os.O_RDONLY, CTX)
+        assert await _pread(ops, fi.fh, 0, len(data)) == data
+        await ops.release(fi.fh)
+    # The first open missed; the second found every block (a keep_cache open is a hit).
+    assert (svc.metrics.misses, svc.metrics.hits) == (1, 1)
+    assert await svc.residency([b"d/s.tar"]) == ["ram"]
+    assert await svc.evict(np.array([ino], dtype=np.uint64)) == 1
+    assert await svc.residency([b"d/s.tar"]) == ["none"] and not svc.cache.entries
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert await _pread(ops, fi.fh, BS, 10) == data[BS : BS + 10]
+    await ops.release(fi.fh)
+    assert (svc.metrics.misses, svc.metrics.hits) == (2, 1)
+
+
+async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, monkeypatch) -> None:
+    calls: list[tuple[str, bool]] = []
+    for mod in ("shadefs.fs.operations", "shadefs.cache.blocks"):
+        monkeypatch.setattr(f"{mod}.advise", lambda fd, r, m=mod: calls.append((m, r)))
+    rng = random.Random(10)
+    big, blk = rng.randbytes(3 << 20), rng.randbytes(6 * BS)
+    src = make_tree(tmp_path / "src", {"big": big, "blk": blk})
+    ops, svc = make_fs(src, ram=2 << 20, block_size=BS, max_entry=64 << 10)
+    fi = await ops.open(await lookup_path(ops, "big"), os.O_RDONLY, CTX)  # read through
+    for off in (0, 4096, 8192):  # a stream: the source's read-ahead helps
+        assert await _pread(ops, fi.fh, off, 4096) == big[off : off + 4096]
+    assert calls == []
+    for off in (1 << 20, 12288, 2 << 20):
+        assert await _pread(ops, fi.fh, off, 4096) == big[off : off + 4096]
+    assert calls == [("shadefs.fs.operations", True)]  # once per handle
+    await ops.release(fi.fh)
+    calls.clear()
+    fi = await ops.open(await lookup_path(ops, "blk"), os.O_RDONLY, CTX)
+    for off in (0, 4 * BS, 4 * BS + 4096, 4 * BS + 8192):  # stream, jump, then a stream again
+        assert await _pread(ops, fi.fh, off, 4096) == blk[off : off + 4096]
+    await ops.release(fi.fh)
+    assert calls == [("shadefs.cache.blocks", True), ("shadefs.cache.blocks", False)]

@@ -9,12 +9,11 @@ the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entri
 among files and blocks alike) and the SSD tier (write-behind, checksums, restore: one SSD
 entry per block, signed by the file).
 
-Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block (no
-copy; only a read that spans two blocks joins them). A missing block is loaded once however
-many readers want it (single flight per block): from the SSD tier, else from the source in
-a worker thread behind `Source`'s limiter and timeout, with the file's signature checked by
-an fstat on the same descriptor after the read, so bytes of a file that changed meanwhile are
-served to that reader but never cached.
+Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block. A
+missing block is loaded once however many readers want it (single flight per block): from
+the SSD tier, else from the source in a worker thread, signed by an fstat on the same
+descriptor after the read (bytes of a file that changed meanwhile are never cached). The
+first read of an open counts it as a hit or a miss (cache/block_files.py).
 
 Sequential or random (cache/extents.py): a handle streams while its reads continue one
 another. A random read of a block that is not resident and would not be kept gets the asked
@@ -31,9 +30,8 @@ Revalidation: each block-cached file's signature is remembered; an open that see
 signature drops every block of the file in both tiers before anything is served.
 
 Policies see a block like any entry: `epoch` consumes a shard's blocks as its reader takes
-them (one access per block per handle; a block that this handle's read-ahead loaded is not
-counted twice, which would look like a new epoch); `lru` and `belady` order blocks; `shade`
-ranks a block by its file's importance (the coordinator maps block keys to file keys).
+them (one access per block per handle: counted twice, it would look like a new epoch);
+`lru` and `belady` order blocks; `shade` ranks a block by its file's importance.
 
 Concurrency: everything runs in the trio thread except the source reads. After each await
 the state is re-read. A handle's descriptor is closed only once no read of it is in flight
@@ -48,9 +46,10 @@ import logging
 import pyfuse3
 import trio
 
+from shadefs.cache.block_files import block_tier, count_open, drop_blocks
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import Ranges, pread_stat, streak
+from shadefs.cache.extents import Ranges, advise, pread_stat, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -69,7 +68,8 @@ class BlockHandle:
     # fmt: off
     __slots__ = (
         "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
-        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending",
+        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending", "random",
+        "counted",
     )
     # fmt: on
 
@@ -95,6 +95,8 @@ class BlockHandle:
         self.streak = 1  # reads in a row that continued the last (cache/extents.py)
         self.checked = -1e9  # when its last signed extent read began
         self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
+        self.random = False  # as the source descriptor was last advised
+        self.counted = False  # in the mount's hits or misses (by its first read)
 
 
 class Blocks:
@@ -128,9 +130,7 @@ class Blocks:
         self.hits = 0
         self.ssd_loads = 0
         self.source_loads = 0
-        self.read_ahead = 0
-        self.revalidated = 0
-        self.opens = 0
+        self.read_ahead = self.revalidated = self.opens = 0
         cache.blocks_cached = True
         if cache.ssd is not None:
             cache.ssd.block_size = block_size
@@ -147,9 +147,8 @@ class Blocks:
     def passthrough_above(self) -> int:
         """Files larger than this are read through: the operator's limit, else the budget."""
         budget = self.cache.capacity + (self.cache.ssd.capacity if self.cache.ssd else 0)
-        if self._passthrough_above is not None:
-            return min(self._passthrough_above, budget)
-        return budget
+        limit = self._passthrough_above
+        return budget if limit is None else min(limit, budget)
 
     def applies(self, size: int) -> bool:
         return self.threshold < size <= self.passthrough_above
@@ -191,6 +190,8 @@ class Blocks:
             return h, False
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).
+        h.counted = True
+        self.cache.metrics.hits += 1
         accessed = self.cache.policy.accessed
         for i in range(h.nblocks):
             h.seen[i] = 1
@@ -211,13 +212,17 @@ class Blocks:
         """The file changed: drop every block of its old version from both tiers."""
         self.revalidated += 1
         log.debug("%r changed: dropping its blocks", path)
-        cache, ssd = self.cache, self.cache.ssd
-        for i in range(-(-old.size // self.block_size)):
-            bkey = block_key(key, i)
-            if bkey in cache.entries:
-                cache.remove(bkey)
-            if ssd is not None and bkey in ssd.index:
-                await ssd.evict(bkey)
+        await drop_blocks(self.cache, key, old.size, self.block_size)
+
+    def tier_of(self, key: int) -> int:
+        """`Cache.tier_of` of a file this daemon cached in blocks (0 for any other)."""
+        sig = self._sigs.get(key)
+        return 0 if sig is None else block_tier(self.cache, key, sig.size, self.block_size)
+
+    async def evict(self, key: int) -> bool:
+        """Drop a block-cached file's blocks from both tiers (`ctl evict PATH`)."""
+        sig = self._sigs.get(key)
+        return sig is not None and await drop_blocks(self.cache, key, sig.size, self.block_size)
 
     # --- reads ------------------------------------------------------------------------
 
@@ -225,9 +230,15 @@ class Blocks:
         end = min(off + size, h.size)
         if off >= end:
             return b""
+        if not h.counted:
+            h.counted = True
+            count_open(self.cache, h.key, off // self.block_size)
         h.streak = streak(h.streak, h.next_off, off)
         h.next_off = end
         stream = h.streak >= 2
+        if stream == h.random and h.fd >= 0:
+            h.random = not stream
+            advise(h.fd, h.random)
         bs = self.block_size
         first, last = off // bs, (end - 1) // bs
         if first == last:

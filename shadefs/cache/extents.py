@@ -50,7 +50,16 @@ from typing import Generic, Protocol, TypeVar
 from shadefs.cache.block_keys import block_key
 from shadefs.cache.ssd_format import Signature
 
-__all__ = ["EXTENT", "Extents", "Ranges", "TouchLog", "extent_span", "pread_stat", "streak"]
+__all__ = [
+    "EXTENT",
+    "Extents",
+    "Ranges",
+    "TouchLog",
+    "advise",
+    "extent_span",
+    "pread_stat",
+    "streak",
+]
 
 EXTENT = 32 << 10
 CHECK_PERIOD = 1.0  # seconds between the signed extent reads of one handle
@@ -207,6 +216,18 @@ def extent_span(off: int, end: int, base: int, extent: int) -> tuple[int, int]:
     """(first, stop): the extents of the block at `base` that [off, end) touches (the grid
     starts at the block's start, so no extent straddles two blocks)."""
     return (off - base) // extent, -(-(end - base) // extent)
+
+
+def advise(fd: int, random: bool) -> None:
+    """Tell the kernel how a source descriptor is read. The reads that reach the daemon
+    were already sized by the mount's own read-ahead; a random reader's would otherwise
+    set off the source filesystem's read-ahead as well, which fetches pages nobody reads
+    (measured over the emulator: lmdb through the mount pulled twice what it pulled direct).
+    Inline: fadvise only sets a flag on the open file, it does no I/O."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_NORMAL)
+    except OSError:
+        pass
 
 
 def pread_stat(fd: int, n: int, off: int, signed: bool) -> tuple[bytes, os.stat_result | None]:

@@ -31,6 +31,7 @@ from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.extents import advise
 from shadefs.cache.ssd_format import StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
@@ -120,6 +121,8 @@ class Operations(pyfuse3.Operations):
         self.xattrs = Xattrs(ns, source)
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
+        self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
+        self._random: set[FileHandleT] = set()  # pass-through handles read at random
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -257,7 +260,12 @@ class Operations(pyfuse3.Operations):
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
-            chunk = await self.source.pread(self._fds[fh], size, off)
+            fd = self._fds[fh]
+            if off != self._next.get(fh, off) and fh not in self._random:
+                self._random.add(fh)  # a random reader: no source read-ahead under ours
+                advise(fd, True)
+            self._next[fh] = off + size
+            chunk = await self.source.pread(fd, size, off)
         elif fh in self._blk:
             assert self.blocks is not None
             chunk = await self.blocks.read(self._blk[fh], off, size)
@@ -273,6 +281,8 @@ class Operations(pyfuse3.Operations):
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:
+            self._next.pop(fh, None)
+            self._random.discard(fh)
             await self.source.close_fd(fd)
         elif fh in self._blk:
             assert self.blocks is not None
