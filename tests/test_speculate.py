@@ -211,3 +211,21 @@ def test_a_reused_job_row_starts_a_fresh_track() -> None:
     job.reads.append(1)
     spec.sync()
     assert spec.tracks[0] is not first and spec.tracks[0].count == 1
+
+
+def test_speculation_never_stages_a_file_its_reader_would_read_through() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.005)
+        cache = _cache(source, window=200 * SIZE)
+        d = FakeListing(b"d", list(range(1, 41)))
+        d.rows["st_size"][20:40] = 50 * SIZE  # above every tier's whole-file limit
+        spec = Speculator(cache, _listings(d), seed=0)
+        assert cache.whole_max < 50 * SIZE
+        for key in (3, 5):
+            await _read(cache, source, key)
+        spec.sync()
+        spec.tend(time.monotonic())
+        (plan,) = spec.plans.values()
+        assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
+
+    trio.run(run)

@@ -21,7 +21,9 @@ Rules that keep it from ever slowing a job down:
   epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
-- the window bounds what is staged or in flight, as for every plan.
+- the window bounds what is staged or in flight, as for every plan;
+- a file that an open would not take from staging (above every tier's whole-file limit,
+  or above `--handle-limit`) is never planned: its reader reads it in blocks or through.
 
 A new epoch (the job has read NEW_EPOCH of its files and reads one again) replaces the plan
 by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
@@ -209,6 +211,11 @@ class Speculator:
         track.grown = False
         self._planned_at[row] = now
         index = track.unread()
+        # Only what an open would take from staging: a file above every tier's whole-file
+        # limit (read in blocks or read through) or above --handle-limit never is, so
+        # staging it would bring it over the link twice.
+        cache = self.cache
+        index = index[track.sizes[index] <= min(cache.whole_max, cache.handle_limit)]
         if len(index):
             cached = np.isin(track.keys[index], self.cache.resident_keys())
             index = index[~cached]
