@@ -229,3 +229,17 @@ def test_speculation_never_stages_a_file_its_reader_would_read_through() -> None
         assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
 
     trio.run(run)
+
+
+def test_a_reopen_straight_after_a_read_is_one_read() -> None:
+    async def run() -> None:
+        source, cache, spec = _setup()
+        for key in (7, 7, 3, 3, 9):  # Parquet: the footer, a close, the data
+            await _read(cache, source, key)
+            if key == 3:
+                spec.sync()  # a batch boundary between the two opens of 3
+        spec.sync()
+        (track,) = spec.tracks.values()
+        assert not track.paused and track.breaks == 0 and track.count == 3
+
+    trio.run(run)

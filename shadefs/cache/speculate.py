@@ -141,6 +141,7 @@ class Speculator:
         self.tracks: dict[int, JobReads] = {}  # job row -> its reads
         self.plans: dict[int, SpecPlan] = {}
         self._last_read: dict[int, float] = {}
+        self._last_key: dict[int, int] = {}  # the key of each job's latest open
         self._planned_at: dict[int, float] = {}
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
@@ -171,6 +172,9 @@ class Speculator:
                 track = self.tracks[row] = JobReads()
                 track.job = job.id
             self._last_read[row] = now
+            keys = self._reopens_dropped(row, keys)
+            if not len(keys):
+                continue
             began = track.absorb(keys, self.listing_of)
             if began:
                 self.cache.fetchlog.new_epoch()
@@ -183,6 +187,16 @@ class Speculator:
             plan = self.plans.get(row)
             if plan is not None:
                 plan.consume(keys, now)
+
+    def _reopens_dropped(self, row: int, keys: np.ndarray) -> np.ndarray:
+        """`keys` without the opens that repeat the job's previous one: a reader that opens
+        a file again at once (Parquet reads the footer, closes and reopens) reads it once,
+        and taking the reopen for a second read would break the epoch's pattern."""
+        keep = np.ones(len(keys), dtype=bool)
+        keep[1:] = keys[1:] != keys[:-1]
+        keep[0] = int(keys[0]) != self._last_key.get(row, -1)
+        self._last_key[row] = int(keys[-1])
+        return keys[keep]
 
     def tend(self, now: float) -> None:
         """Drop the plans that must stop; make or rebuild those that should run."""
@@ -243,5 +257,6 @@ class Speculator:
         self._drop(row)
         self.tracks.pop(row, None)
         self._last_read.pop(row, None)
+        self._last_key.pop(row, None)
         self._planned_at.pop(row, None)
         self._spent.discard(row)
