@@ -50,7 +50,9 @@ async def test_random_small_reads_fetch_extents_not_whole_blocks(tmp_path: Path)
     b = svc.stats().blocks
     assert b is not None and b.range_loads > 0 and b.extent_hits > 0
     # Before: every read of a block the RAM could not keep loaded all of it (~300 blocks).
-    assert svc.source.bytes_read <= total, (svc.source.bytes_read, total)
+    # Now: extents, plus the blocks that had free room (loaded in the background while
+    # the reads that came meanwhile took extents).
+    assert svc.source.bytes_read <= 1.2 * total, (svc.source.bytes_read, total)
     assert svc.cache.used <= svc.cache.capacity
 
 
@@ -123,8 +125,9 @@ async def test_opening_a_block_cached_file_fetches_nothing(tmp_path: Path) -> No
         await ops.release(fi.fh)
         nursery.cancel_scope.cancel()
     b = svc.stats().blocks
-    # Extents for the footer and the jump; the block's second touch loads it whole.
-    assert b is not None and b.read_ahead > 0 and b.range_loads == 2
+    # Extents for the footer, the jump and the read after it (the block's second touch,
+    # which starts loading it in the background); then the stream takes whole blocks.
+    assert b is not None and b.read_ahead > 0 and b.range_loads == 3
 
 
 async def test_unsigned_extents_wait_for_a_signed_read_and_die_with_a_change(

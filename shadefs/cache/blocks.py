@@ -264,25 +264,25 @@ class Blocks:
         return b"".join(parts)
 
     def _partial(self, h: BlockHandle, i: int) -> bool:
-        """Whether a random read of block i should fetch extents rather than the block:
-        the block is nowhere at hand and would not stay in RAM (cache/extents.py)."""
+        """Whether a random read of block i takes extents (cache/extents.py): the block is
+        not at hand, and would not stay in RAM, or loads in the background meanwhile."""
         if h.cur == i or i in h.staged:
             return False
         bkey = block_key(h.key, i)
         entry = self.cache.entries.get(bkey)
-        if entry is not None and entry.sig == h.sig or bkey in self._flights:
+        if entry is not None and entry.sig == h.sig:
             return False
-        cache, bs = self.cache, self.block_size
+        cache, bs, ssd = self.cache, self.block_size, self.cache.ssd
+        if ssd is not None and bkey in ssd.index:
+            return False  # local: a whole block costs no link
+        if bkey in self._flights:
+            return self._nursery is not None  # extents until it lands, not an 8 MiB wait
         n = min(bs, h.size - i * bs)
-        ssd = cache.ssd
-        if ssd is not None:
-            if bkey in ssd.index:
-                return False  # local: a whole block costs no link
-            if ssd.capacity - ssd.store.disk_bytes >= n:
-                # The SSD tier can keep it: load it whole in the background (read-ahead
-                # for the SSD's write-behind) and serve this read from an extent.
-                self._fill(h, i)
-        return not self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
+        ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
+        room = ssd is not None and ssd.capacity - ssd.store.disk_bytes >= n
+        if (ram or room) and self._fill(h, i):
+            return True  # it loads in the background: this read from an extent
+        return not ram
 
     async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
         if not h.seen[i]:
@@ -401,14 +401,15 @@ class Blocks:
             i += 1
         h.ahead_to = max(h.ahead_to, i)
 
-    def _fill(self, h: BlockHandle, i: int) -> None:
+    def _fill(self, h: BlockHandle, i: int) -> bool:
         """Start loading block i for a random reader, within the window; never awaits."""
         bs, nursery = self.block_size, self._nursery
         if nursery is None or self.ahead_bytes + self.ranges.extents.bytes + bs > self.window:
-            return
+            return False
         self.ahead_bytes += bs
         self.read_ahead += 1
         nursery.start_soon(self._ahead, h, i)
+        return True
 
     async def _ahead(self, h: BlockHandle, i: int) -> None:
         bs = self.block_size

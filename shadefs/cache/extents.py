@@ -20,13 +20,14 @@ RAM pulled 2 GiB from the source. So, per open file:
   signature, so that a reader that comes back near where it was reads from memory. They
   count against the block read-ahead window, like staged blocks: bytes outside the RAM
   budget that the window bounds (a quarter of it at most).
-- **When a whole block is worth it.** The whole block is loaded anyway when the RAM tier has
-  free room for it (it will be admitted without evicting anything), or on a block's second
-  random touch when the blocks that random readers touch all fit in half the RAM budget
-  (the working set fits: the block will stay). The touch log remembers twice as many
-  blocks as the budget holds, so it forgets a working set the readers left. Otherwise the
-  block would only thrash.
-
+- **When a whole block is worth it.** The whole block is loaded when the RAM tier has free
+  room for it (it will be admitted without evicting anything), on a block's second random
+  touch when the blocks that random readers touch all fit in half the RAM budget (the
+  working set fits: the block will stay), or when the SSD tier has room for it. It loads
+  in the background (block read-ahead, within its window) while the random reads that
+  come meanwhile take extents: an 8 MiB load never stalls a 4 KiB read. The touch log
+  remembers twice as many blocks as the budget holds, so it forgets a working set the
+  readers left. Otherwise the block would only thrash.
 - **One fstat a second, not one a read.** A whole block is signed by an fstat on its
   descriptor after the read. An extent is too small to pay that (on a filer without
   attribute caching it is a second round trip per 4 KiB read), so a handle's extent reads
