@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trio
 
 from shadefs.cache.extents import EXTENT, Extents, streak
@@ -51,8 +53,8 @@ async def test_random_small_reads_fetch_extents_not_whole_blocks(tmp_path: Path)
     assert b is not None and b.range_loads > 0 and b.extent_hits > 0
     # Before: every read of a block the RAM could not keep loaded all of it (~300 blocks).
     # Now: extents, plus the blocks that had free room (loaded in the background while
-    # the reads that came meanwhile took extents).
-    assert svc.source.bytes_read <= 1.2 * total, (svc.source.bytes_read, total)
+    # the reads that came meanwhile took extents, so how many depends on timing).
+    assert svc.source.bytes_read <= 1.5 * total, (svc.source.bytes_read, total)
     assert svc.cache.used <= svc.cache.capacity
 
 
@@ -315,3 +317,48 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
         assert await _pread(ops, fi.fh, off, 4096) == blk[off : off + 4096]
     await ops.release(fi.fh)
     assert calls == [("shadefs.cache.blocks", True), ("shadefs.cache.blocks", False)]
+
+
+# --- through a real mount -------------------------------------------------------------------
+
+
+def _settled(m) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        s = m.stats()
+        if s["tiers"]["ssd"]["queued_writes"] == 0 and s["blocks"]["ahead_bytes"] == 0:
+            return s
+        assert time.monotonic() < deadline, s["tiers"]["ssd"]
+        time.sleep(0.05)
+
+
+@pytest.mark.mount
+def test_files_above_the_handle_limit_come_from_the_ssd_tier_next_time(
+    tmp_path: Path, mounter
+) -> None:
+    rng = random.Random(11)
+    files = {
+        "big.tar": rng.randbytes(10 * BS),
+        **{f"r{i}.mdb": rng.randbytes(5 * BS) for i in range(4)},
+    }
+    total = sum(len(d) for d in files.values())
+    src = make_tree(tmp_path / "src", files)
+    cache = tmp_path / "cache"
+    # RAM (and --handle-limit) 512K; an SSD tier that caches these files whole.
+    m = mounter(src, "--ram", "512K", "--block-size", "256K", "--ssd", f"{cache}:64M")
+    fetched = []
+    for _ in range(2):
+        before = m.stats()["bytes_from_source"]
+        assert (m.mnt / "big.tar").read_bytes() == files["big.tar"]  # like cat
+        fds = {n: os.open(m.mnt / n, os.O_RDONLY) for n in files if n.endswith(".mdb")}
+        for _ in range(300):  # held open, read at random
+            n = rng.choice(sorted(fds))
+            off = rng.randrange(len(files[n]) // 4096) * 4096
+            assert os.pread(fds[n], 4096, off) == files[n][off : off + 4096]
+        _settled(m)
+        for fd in fds.values():
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next pass reaches us
+            os.close(fd)
+        fetched.append(_settled(m)["bytes_from_source"] - before)
+    assert m.stats()["passthrough_opens"] == 0
+    assert fetched[1] <= 0.02 * total, (fetched, total)
