@@ -213,14 +213,14 @@ def test_a_reused_job_row_starts_a_fresh_track() -> None:
     assert spec.tracks[0] is not first and spec.tracks[0].count == 1
 
 
-def test_speculation_never_stages_a_file_its_reader_would_read_through() -> None:
+def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> None:
     async def run() -> None:
         source = _CountingSource(delay=0.005)
         cache = _cache(source, window=200 * SIZE)
         d = FakeListing(b"d", list(range(1, 41)))
-        d.rows["st_size"][20:40] = 50 * SIZE  # above every tier's whole-file limit
+        d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
         spec = Speculator(cache, _listings(d), seed=0)
-        assert cache.whole_max < 50 * SIZE
+        assert cache.ram_max < 2 * SIZE
         for key in (3, 5):
             await _read(cache, source, key)
         spec.sync()

@@ -277,9 +277,10 @@ class Blocks:
             return False  # local: a whole block costs no link
         if bkey in self._flights:
             return self._nursery is not None  # extents until it lands, not an 8 MiB wait
-        n = min(bs, h.size - i * bs)
-        ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used)
-        room = ssd is not None and ssd.capacity - ssd.store.disk_bytes >= n
+        # Blocks loading or staged are not counted in either tier yet, but will take room.
+        n, coming = min(bs, h.size - i * bs), self.ahead_bytes
+        ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used + coming)
+        room = ssd is not None and ssd.capacity - ssd.store.disk_bytes - coming >= n
         if (ram or room) and self._fill(h, i):
             return True  # it loads in the background: this read from an extent
         return not ram

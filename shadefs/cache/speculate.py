@@ -22,8 +22,8 @@ Rules that keep it from ever slowing a job down:
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
-- a file that an open would not take from staging (above every tier's whole-file limit,
-  or above `--handle-limit`) is never planned: its reader reads it in blocks or through.
+- a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
+  reader reads it in blocks or through, or whole from the SSD tier, not from staging.
 
 A new epoch (the job has read NEW_EPOCH of its files and reads one again) replaces the plan
 by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
@@ -225,11 +225,12 @@ class Speculator:
         track.grown = False
         self._planned_at[row] = now
         index = track.unread()
-        # Only what an open would take from staging: a file above every tier's whole-file
-        # limit (read in blocks or read through) or above --handle-limit never is, so
-        # staging it would bring it over the link twice.
+        # Only what an open would take from staging and the RAM tier could keep: a file
+        # above that is read in blocks (a block at a time, to RAM or SSD), through, or
+        # whole while open handles leave room; a staged copy of it is mostly fetched
+        # twice (and never taken when its blocks are on the SSD already).
         cache = self.cache
-        index = index[track.sizes[index] <= min(cache.whole_max, cache.handle_limit)]
+        index = index[track.sizes[index] <= min(cache.ram_max, cache.handle_limit)]
         if len(index):
             cached = np.isin(track.keys[index], self.cache.resident_keys())
             index = index[~cached]
