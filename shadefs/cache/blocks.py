@@ -277,8 +277,7 @@ class Blocks:
             return False  # local: a whole block costs no link
         if bkey in self._flights:
             return self._nursery is not None  # extents until it lands, not an 8 MiB wait
-        # Blocks loading or staged are not counted in either tier yet, but will take room.
-        n, coming = min(bs, h.size - i * bs), self.ahead_bytes
+        n, coming = min(bs, h.size - i * bs), self.ahead_bytes  # loading: room soon taken
         ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used + coming)
         room = ssd is not None and ssd.capacity - ssd.store.disk_bytes - coming >= n
         if (ram or room) and self._fill(h, i):
