@@ -178,6 +178,22 @@ def _pending(svc, fh: int) -> list:
     return svc.operations._blk[fh].pending
 
 
+async def test_read_ahead_ramps_up_with_the_stream(tmp_path: Path) -> None:
+    data = random.Random(12).randbytes(12 * BS)
+    src = make_tree(tmp_path / "src", {"db.mdb": data})
+    ops, svc = make_fs(src, ram=4 << 20, block_size=BS, prefetch_window=8 * BS)
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        fi = await ops.open(await lookup_path(ops, "db.mdb"), os.O_RDONLY, CTX)
+        assert await _pread(ops, fi.fh, 0, 4096) == data[:4096]  # LMDB's meta page
+        assert svc.blocks.read_ahead == 1  # one block ahead, not the whole window
+        for off in range(4096, 6 * BS, 64 << 10):  # a real stream: the window opens up
+            assert await _pread(ops, fi.fh, off, 64 << 10) == data[off : off + (64 << 10)]
+        assert svc.blocks.read_ahead >= 6
+        await ops.release(fi.fh)
+        nursery.cancel_scope.cancel()
+
+
 def test_sequential_judgement_and_the_extent_lru() -> None:
     assert streak(1, 0, 0) == 2 and streak(2, 1 << 20, 1 << 20) == 3  # streams
     assert streak(1, 0, 8192) == 0 and streak(5, 1 << 20, 0) == 0  # jumps

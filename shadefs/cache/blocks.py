@@ -382,13 +382,13 @@ class Blocks:
 
     def _read_ahead(self, h: BlockHandle, start: int) -> None:
         """Start loading blocks from `start` on, within the window; never awaits."""
-        nursery = self._nursery
-        if nursery is None:
+        if (nursery := self._nursery) is None:
             return
         bs = self.block_size
-        ahead = self.window // bs
-        i = max(start, h.ahead_to)
-        stop = min(h.nblocks, start + ahead)
+        # Ramped: a stream that just began (a random reader's first read at offset 0,
+        # say) gets one block ahead, a long one the whole window.
+        ahead = min(self.window // bs, max(1, h.streak // 4))
+        i, stop = max(start, h.ahead_to), min(h.nblocks, start + ahead)
         entries = self.cache.entries
         held = self.ahead_bytes + self.ranges.extents.bytes
         while i < stop and held + bs <= self.window:
