@@ -34,7 +34,7 @@ async def test_random_small_reads_fetch_extents_not_whole_blocks(tmp_path: Path)
     total = sum(len(d) for d in files.values())
     src = make_tree(tmp_path / "src", files)
     ops, svc = make_fs(src, ram=BS * 14 // 8, block_size=BS)
-    assert svc.blocks.applies(BS * 3 // 2)
+    assert svc.blocks.takes(1, BS * 3 // 2)
     svc.blocks.ranges.check_period = 0.0  # every extent read signed: kept at once
     async with trio.open_nursery() as nursery:
         svc.start(nursery)
@@ -235,6 +235,29 @@ async def test_a_file_above_the_handle_limit_reaches_the_ssd_tier(tmp_path: Path
     # Before: read through on every open (above --handle-limit), never cached.
     assert svc.metrics.passthrough_opens == 0
     assert first == len(data) and svc.source.bytes_read - first <= 0.02 * len(data)
+
+
+async def test_a_file_whose_blocks_are_on_the_ssd_is_read_from_them(tmp_path: Path) -> None:
+    rng = random.Random(13)
+    a, b = rng.randbytes(4 * BS), rng.randbytes(4 * BS + 10)
+    src = make_tree(tmp_path / "src", {"a.tar": a, "b.tar": b})
+    ssd = str(tmp_path / "ssd")
+    ops, svc = make_fs(src, ram=BS, block_size=BS, ssd=ssd, ssd_size=64 << 20, handle_limit=6 * BS)
+    ia, ib = await lookup_path(ops, "a.tar"), await lookup_path(ops, "b.tar")
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        fa = await ops.open(ia, os.O_RDONLY, CTX)  # whole: open handles now hold 1 MiB
+        fb = await ops.open(ib, os.O_RDONLY, CTX)  # no room left for b whole: blocks
+        assert await _pread(ops, fb.fh, 0, len(b)) == b
+        await ops.release(fb.fh)
+        await ops.release(fa.fh)
+        await _ssd_settled(svc)
+        before = svc.source.bytes_read
+        fb = await ops.open(ib, os.O_RDONLY, CTX)  # room now, but its blocks are on the SSD
+        assert await _pread(ops, fb.fh, 0, len(b)) == b
+        await ops.release(fb.fh)
+        nursery.cancel_scope.cancel()
+    assert svc.source.bytes_read == before
 
 
 async def test_random_readers_of_held_open_files_fill_the_ssd_tier(tmp_path: Path) -> None:

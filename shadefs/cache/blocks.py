@@ -150,20 +150,18 @@ class Blocks:
         limit = self._passthrough_above
         return budget if limit is None else min(limit, budget)
 
-    def applies(self, size: int) -> bool:
-        return self.threshold < size <= self.passthrough_above
-
     def takes(self, key: int, size: int) -> bool:
         """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
         blocks: above every tier's whole-file limit, or one the SSD tier would cache whole
-        when open handles already hold too much to fetch it whole (`--handle-limit`). As
-        blocks it still reaches the SSD, a block at a time, instead of being read through."""
-        if size > self.threshold:
+        when open handles hold too much to fetch it whole (`--handle-limit`; as blocks it
+        still reaches the SSD) or when its blocks are there already."""
+        if size > self.threshold:  # above every whole-file limit
             return size <= self.passthrough_above
         cache, ssd = self.cache, self.cache.ssd
         if ssd is None or key in ssd.index or size > self.passthrough_above:
             return False
-        return cache.handles.held + size > cache.handle_limit
+        held, limit = cache.handles.held, cache.handle_limit
+        return held + size > limit or block_key(key, 0) in ssd.index
 
     # --- open / release ---------------------------------------------------------------
 
