@@ -230,9 +230,15 @@ class Service:
         regular = (found.mode & stat.S_IFMT(0o177777)) == stat.S_IFREG
         # tier_of: 0 not cached, 1 RAM, 2 SSD only; the states list them in that order.
         return [
-            RESIDENCY_STATES[self.cache.tier_of(key)] if ok else "missing"
+            RESIDENCY_STATES[self._tier_of(key)] if ok else "missing"
             for key, ok in zip(found.ino.tolist(), regular.tolist(), strict=True)
         ]
+
+    def _tier_of(self, key: int) -> int:
+        tier = self.cache.tier_of(key)
+        if tier or self.blocks is None:
+            return tier
+        return self.blocks.tier_of(key)  # a file cached in blocks: all of them
 
     # --- ControlService: ctl commands -----------------------------------------------------
 
@@ -255,8 +261,13 @@ class Service:
         return self.cache.drop()
 
     async def evict(self, keys: np.ndarray) -> int:
-        evicted = [await self.cache.evict(key) for key in keys.tolist()]
-        return sum(evicted)
+        blocks, evicted = self.blocks, 0
+        for key in keys.tolist():
+            found = await self.cache.evict(key)
+            if blocks is not None:
+                found = await blocks.evict(key) or found  # a file cached in blocks
+            evicted += found
+        return evicted
 
     def prefetch(
         self, rels: list[bytes], keys: np.ndarray, sizes: np.ndarray, name: str | None = None

@@ -208,6 +208,10 @@ class BlockStats:
     source_loads: int  # blocks loaded from the source
     read_ahead: int  # blocks whose load read-ahead started
     ahead_bytes: int  # read-ahead bytes in flight or staged now
+    range_loads: int  # random reads fetched as extents, not whole blocks (cache/extents.py)
+    range_bytes: int  # bytes those fetched
+    extent_hits: int  # random reads served from kept extents
+    extent_bytes: int  # extents kept now (within the read-ahead window)
     revalidated: int  # files whose blocks were dropped because the file changed
 
 

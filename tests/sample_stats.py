@@ -139,6 +139,10 @@ def full(**top: Any) -> Stats:
             source_loads=5,
             read_ahead=4,
             ahead_bytes=0,
+            range_loads=7,
+            range_bytes=7 << 15,
+            extent_hits=2,
+            extent_bytes=5 << 15,
             revalidated=1,
         ),
     )

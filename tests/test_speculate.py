@@ -211,3 +211,35 @@ def test_a_reused_job_row_starts_a_fresh_track() -> None:
     job.reads.append(1)
     spec.sync()
     assert spec.tracks[0] is not first and spec.tracks[0].count == 1
+
+
+def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.005)
+        cache = _cache(source, window=200 * SIZE)
+        d = FakeListing(b"d", list(range(1, 41)))
+        d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
+        spec = Speculator(cache, _listings(d), seed=0)
+        assert cache.ram_max < 2 * SIZE
+        for key in (3, 5):
+            await _read(cache, source, key)
+        spec.sync()
+        spec.tend(time.monotonic())
+        (plan,) = spec.plans.values()
+        assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
+
+    trio.run(run)
+
+
+def test_a_reopen_straight_after_a_read_is_one_read() -> None:
+    async def run() -> None:
+        source, cache, spec = _setup()
+        for key in (7, 7, 3, 3, 9):  # Parquet: the footer, a close, the data
+            await _read(cache, source, key)
+            if key == 3:
+                spec.sync()  # a batch boundary between the two opens of 3
+        spec.sync()
+        (track,) = spec.tracks.values()
+        assert not track.paused and track.breaks == 0 and track.count == 3
+
+    trio.run(run)

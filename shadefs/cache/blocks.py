@@ -1,50 +1,55 @@
 """Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
 
 A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
-SSD tier's largest entry) and up to the pass-through limit is never fetched whole. Each
+SSD tier's largest entry) and up to the pass-through limit is never fetched whole; nor is
+one the SSD tier would cache whole while open handles hold `--handle-limit` (`takes`). Each
 block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
 the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
 (admitted through `Cache.admit`, so the RAM budget counts blocks and the policy chooses
 among files and blocks alike) and the SSD tier (write-behind, checksums, restore: one SSD
 entry per block, signed by the file).
 
-Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block (no
-copy; only a read that spans two blocks joins them). A missing block is loaded once however
-many readers want it (single flight per block): from the SSD tier, else from the source in
-a worker thread behind `Source`'s limiter and timeout, with the file's signature checked by
-an fstat on the same descriptor after the read, so bytes of a file that changed meanwhile are
-served to that reader but never cached.
+Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block. A
+missing block is loaded once however many readers want it (single flight per block): from
+the SSD tier, else from the source in a worker thread, signed by an fstat on the same
+descriptor after the read (bytes of a file that changed meanwhile are never cached). The
+first read of an open counts it as a hit or a miss (cache/block_files.py).
 
-Read-ahead: opening a file and every read of block i start loading the next blocks, up to
-`window` bytes over all open files (the prefetch window). A block that read-ahead loaded but
-the policy did not admit waits in its handle (`staged`) until the reader takes it; staged
-bytes count against the window, so read-ahead never holds more than the window.
+Sequential or random (cache/extents.py): a handle streams while its reads continue one
+another. A random read of a block that is not resident and would not be kept gets the asked
+range rounded out to 32 KiB extents, never the whole block (kept in a small LRU within the
+read-ahead window); with room on the SSD tier, the block is loaded in the background too.
+
+Read-ahead: every streaming read of block i starts loading the next blocks, up to `window`
+bytes over all open files (the prefetch window). Opening a file fetches nothing: a reader
+that only reads the footer pays for the footer. A block that read-ahead loaded but the
+policy did not admit waits in its handle (`staged`) until the reader takes it; staged
+bytes and kept extents count against the window, so read-ahead never holds more than it.
 
 Revalidation: each block-cached file's signature is remembered; an open that sees another
 signature drops every block of the file in both tiers before anything is served.
 
 Policies see a block like any entry: `epoch` consumes a shard's blocks as its reader takes
-them (one access per block per handle; a block that this handle's read-ahead loaded is not
-counted twice, which would look like a new epoch); `lru` and `belady` order blocks; `shade`
-ranks a block by its file's importance (the coordinator maps block keys to file keys).
+them (one access per block per handle: counted twice, it would look like a new epoch);
+`lru` and `belady` order blocks; `shade` ranks a block by its file's importance.
 
 Concurrency: everything runs in the trio thread except the source reads. After each await
-the state is re-read (the entry may have been evicted, the handle released). A handle's
-source descriptor is closed only once no read of it is in flight (`_Handle.users`), so a
-descriptor number is never reused under a running pread.
+the state is re-read. A handle's descriptor is closed only once no read of it is in flight
+(`BlockHandle.users`): a descriptor number is never reused under a running pread.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 
 import pyfuse3
 import trio
 
+from shadefs.cache.block_files import block_tier, count_open, drop_blocks
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.extents import Ranges, advise, pread_stat, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -60,22 +65,13 @@ DEFAULT_BLOCK_SIZE = 8 << 20
 class BlockHandle:
     """One open of a block-cached file."""
 
+    # fmt: off
     __slots__ = (
-        "key",
-        "path",
-        "sig",
-        "size",
-        "nblocks",
-        "fd",
-        "users",
-        "closed",
-        "staged",
-        "seen",
-        "ahead_to",
-        "pos",
-        "cur",
-        "cur_data",
+        "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
+        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending", "random",
+        "counted",
     )
+    # fmt: on
 
     def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
         self.key = key
@@ -95,6 +91,12 @@ class BlockHandle:
         # requests (1 MiB reads of an 8 MiB block) but loaded once.
         self.cur = -1
         self.cur_data = b""
+        self.next_off = 0  # where the last read ended: the next one is sequential there
+        self.streak = 1  # reads in a row that continued the last (cache/extents.py)
+        self.checked = -1e9  # when its last signed extent read began
+        self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
+        self.random = False  # as the source descriptor was last advised
+        self.counted = False  # in the mount's hits or misses (by its first read)
 
 
 class Blocks:
@@ -123,12 +125,12 @@ class Blocks:
         self._sigs: dict[int, Signature] = {}  # file key -> signature its blocks belong to
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
+        # Random reads' extents (cache/extents.py), within a quarter of the window.
+        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4)
         self.hits = 0
         self.ssd_loads = 0
         self.source_loads = 0
-        self.read_ahead = 0
-        self.revalidated = 0
-        self.opens = 0
+        self.read_ahead = self.revalidated = self.opens = 0
         cache.blocks_cached = True
         if cache.ssd is not None:
             cache.ssd.block_size = block_size
@@ -145,12 +147,21 @@ class Blocks:
     def passthrough_above(self) -> int:
         """Files larger than this are read through: the operator's limit, else the budget."""
         budget = self.cache.capacity + (self.cache.ssd.capacity if self.cache.ssd else 0)
-        if self._passthrough_above is not None:
-            return min(self._passthrough_above, budget)
-        return budget
+        limit = self._passthrough_above
+        return budget if limit is None else min(limit, budget)
 
-    def applies(self, size: int) -> bool:
-        return self.threshold < size <= self.passthrough_above
+    def takes(self, key: int, size: int) -> bool:
+        """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
+        blocks: above every tier's whole-file limit, or one the SSD tier would cache whole
+        when open handles hold too much to fetch it whole (`--handle-limit`; as blocks it
+        still reaches the SSD) or when its blocks are there already."""
+        if size > self.threshold:  # above every whole-file limit
+            return size <= self.passthrough_above
+        cache, ssd = self.cache, self.cache.ssd
+        if ssd is None or key in ssd.index or size > self.passthrough_above:
+            return False
+        held, limit = cache.handles.held, cache.handle_limit
+        return held + size > limit or block_key(key, 0) in ssd.index
 
     # --- open / release ---------------------------------------------------------------
 
@@ -174,10 +185,11 @@ class Blocks:
             # Opened now, like a pass-through handle: the handle reads the file it opened,
             # whatever is renamed or swapped in at its path later.
             h.fd = await self.source.open_fd(path)
-            self._read_ahead(h, 0)
             return h, False
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).
+        h.counted = True
+        self.cache.metrics.hits += 1
         accessed = self.cache.policy.accessed
         for i in range(h.nblocks):
             h.seen[i] = 1
@@ -198,13 +210,17 @@ class Blocks:
         """The file changed: drop every block of its old version from both tiers."""
         self.revalidated += 1
         log.debug("%r changed: dropping its blocks", path)
-        cache, ssd = self.cache, self.cache.ssd
-        for i in range(-(-old.size // self.block_size)):
-            bkey = block_key(key, i)
-            if bkey in cache.entries:
-                cache.remove(bkey)
-            if ssd is not None and bkey in ssd.index:
-                await ssd.evict(bkey)
+        await drop_blocks(self.cache, key, old.size, self.block_size)
+
+    def tier_of(self, key: int) -> int:
+        """`Cache.tier_of` of a file this daemon cached in blocks (0 for any other)."""
+        sig = self._sigs.get(key)
+        return 0 if sig is None else block_tier(self.cache, key, sig.size, self.block_size)
+
+    async def evict(self, key: int) -> bool:
+        """Drop a block-cached file's blocks from both tiers (`ctl evict PATH`)."""
+        sig = self._sigs.get(key)
+        return sig is not None and await drop_blocks(self.cache, key, sig.size, self.block_size)
 
     # --- reads ------------------------------------------------------------------------
 
@@ -212,21 +228,65 @@ class Blocks:
         end = min(off + size, h.size)
         if off >= end:
             return b""
+        if not h.counted:
+            h.counted = True
+            count_open(self.cache, h.key, off // self.block_size)
+        h.streak = streak(h.streak, h.next_off, off)
+        h.next_off = end
+        stream = h.streak >= 2
+        if stream == h.random and h.fd >= 0:
+            h.random = not stream
+            advise(h.fd, h.random)
         bs = self.block_size
         first, last = off // bs, (end - 1) // bs
         if first == last:
-            data = await self._block(h, first)
-            self._read_ahead(h, first + 1)
             base = first * bs
+            if not stream and self._partial(h, first):
+                return await self._range(h, first, off, end)
+            data = await self._block(h, first)
+            if stream:
+                self._read_ahead(h, first + 1)
             # A slice of the block, not a copy: pyfuse3 takes any buffer.
             return memoryview(data)[off - base : end - base]  # type: ignore[return-value]
-        parts = []
+        parts: list[bytes | memoryview] = []
         for i in range(first, last + 1):
-            data = await self._block(h, i)
             base = i * bs
-            parts.append(memoryview(data)[max(off - base, 0) : min(end - base, len(data))])
-        self._read_ahead(h, last + 1)
+            lo, hi = max(off, base), min(end, base + bs)
+            if not stream and self._partial(h, i):
+                parts.append(await self._range(h, i, lo, hi))
+                continue
+            data = await self._block(h, i)
+            parts.append(memoryview(data)[lo - base : hi - base])
+        if stream:
+            self._read_ahead(h, last + 1)
         return b"".join(parts)
+
+    def _partial(self, h: BlockHandle, i: int) -> bool:
+        """Whether a random read of block i takes extents (cache/extents.py): the block is
+        not at hand, and would not stay in RAM, or loads in the background meanwhile."""
+        if h.cur == i or i in h.staged:
+            return False
+        bkey = block_key(h.key, i)
+        entry = self.cache.entries.get(bkey)
+        if entry is not None and entry.sig == h.sig:
+            return False
+        cache, bs, ssd = self.cache, self.block_size, self.cache.ssd
+        if ssd is not None and bkey in ssd.index:
+            return False  # local: a whole block costs no link
+        if bkey in self._flights:
+            return self._nursery is not None  # extents until it lands, not an 8 MiB wait
+        n, coming = min(bs, h.size - i * bs), self.ahead_bytes  # loading: room soon taken
+        ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used + coming)
+        room = ssd is not None and ssd.capacity - ssd.store.disk_bytes - coming >= n
+        if (ram or room) and self._fill(h, i):
+            return True  # it loads in the background: this read from an extent
+        return not ram
+
+    async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
+        if not h.seen[i]:
+            h.seen[i] = 1
+            self.cache.policy.accessed(block_key(h.key, i), False)
+        return await self.ranges.read(h, i, off, end)
 
     async def _block(self, h: BlockHandle, i: int) -> bytes:
         if h.cur == i:
@@ -292,8 +352,11 @@ class Blocks:
         if self._sigs.get(h.key) == h.sig:  # not if the file changed meanwhile
             self.cache.admit(bkey, data, h.sig)
 
-    async def _pread(self, h: BlockHandle, n: int, off: int) -> tuple[bytes, bool]:
-        """n bytes at off from the source; clean is False if the file changed meanwhile."""
+    async def _pread(
+        self, h: BlockHandle, n: int, off: int, signed: bool = True
+    ) -> tuple[bytes, bool]:
+        """n bytes at off from the source; clean is False if the file changed meanwhile
+        (`signed`: checked by an fstat after the read; else only whether it is whole)."""
         if h.fd < 0:
             fd = await self.source.open_fd(h.path)
             if h.fd < 0 and not h.closed:
@@ -304,35 +367,47 @@ class Blocks:
                     raise pyfuse3.FUSEError(errno.EBADF)
         h.users += 1
         try:
-            data, st = await self.source.run(_pread_stat, h.fd, n, off)
+            data, st = await self.source.run(pread_stat, h.fd, n, off, signed)
         finally:
             h.users -= 1
             if h.closed and h.users == 0 and h.fd >= 0:
                 fd, h.fd = h.fd, -1
                 await self.source.close_fd(fd)
         self.source.bytes_read += len(data)
-        return data, len(data) == n and Signature.of(st) == h.sig
+        return data, len(data) == n and (st is None or Signature.of(st) == h.sig)
 
     # --- read-ahead -------------------------------------------------------------------
 
     def _read_ahead(self, h: BlockHandle, start: int) -> None:
         """Start loading blocks from `start` on, within the window; never awaits."""
-        nursery = self._nursery
-        if nursery is None:
+        if (nursery := self._nursery) is None:
             return
         bs = self.block_size
-        ahead = self.window // bs
-        i = max(start, h.ahead_to)
-        stop = min(h.nblocks, start + ahead)
+        # Ramped: a stream that just began (a random reader's first read at offset 0,
+        # say) gets one block ahead, a long one the whole window.
+        ahead = min(self.window // bs, max(1, h.streak // 4))
+        i, stop = max(start, h.ahead_to), min(h.nblocks, start + ahead)
         entries = self.cache.entries
-        while i < stop and self.ahead_bytes + bs <= self.window:
+        held = self.ahead_bytes + self.ranges.extents.bytes
+        while i < stop and held + bs <= self.window:
             bkey = block_key(h.key, i)
             if bkey not in entries and bkey not in self._flights and i not in h.staged:
                 self.ahead_bytes += bs
+                held += bs
                 self.read_ahead += 1
                 nursery.start_soon(self._ahead, h, i)
             i += 1
         h.ahead_to = max(h.ahead_to, i)
+
+    def _fill(self, h: BlockHandle, i: int) -> bool:
+        """Start loading block i for a random reader, within the window; never awaits."""
+        bs, nursery = self.block_size, self._nursery
+        if nursery is None or self.ahead_bytes + self.ranges.extents.bytes + bs > self.window:
+            return False
+        self.ahead_bytes += bs
+        self.read_ahead += 1
+        nursery.start_soon(self._ahead, h, i)
+        return True
 
     async def _ahead(self, h: BlockHandle, i: int) -> None:
         bs = self.block_size
@@ -365,16 +440,9 @@ class Blocks:
             source_loads=self.source_loads,
             read_ahead=self.read_ahead,
             ahead_bytes=self.ahead_bytes,
+            range_loads=self.ranges.loads,
+            range_bytes=self.ranges.bytes,
+            extent_hits=self.ranges.extents.hits,
+            extent_bytes=self.ranges.extents.bytes,
             revalidated=self.revalidated,
         )
-
-
-def _pread_stat(fd: int, n: int, off: int) -> tuple[bytes, os.stat_result]:
-    """One worker-thread call: read, then fstat the same descriptor to sign the bytes."""
-    data = os.pread(fd, n, off)
-    while 0 < len(data) < n:  # short reads of NFS are legal
-        more = os.pread(fd, n - len(data), off + len(data))
-        if not more:
-            break
-        data += more
-    return data, os.fstat(fd)

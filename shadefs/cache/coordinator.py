@@ -104,6 +104,7 @@ class Cache:
         self.capacity = capacity
         self._max_entry = max_entry
         self.whole_max = 0  # refresh_limits()
+        self.ram_max = 0  # max_entry as a plain attribute (every open compares with it)
         self._score_of = score_of
         self._owns = owns
         self.pending = pending if pending is not None else PendingReads(lambda key: -1)
@@ -159,9 +160,9 @@ class Cache:
         return min(self.capacity // 8, 256 << 20)
 
     def refresh_limits(self) -> None:
-        """Recompute `whole_max`, the largest file some tier caches whole (larger ones go in
-        blocks), after a budget changes; an attribute, since every open compares with it."""
-        self.whole_max = max(self.max_entry, self.ssd.max_entry if self.ssd else 0)
+        """After a budget changes: the largest file RAM / some tier caches whole (blocks above)."""
+        self.ram_max = self.max_entry
+        self.whole_max = max(self.ram_max, self.ssd.max_entry if self.ssd else 0)
 
     @property
     def handle_limit(self) -> int:
@@ -364,8 +365,7 @@ class Cache:
         return [self.policy] if self.ssd is None else [self.policy, self.ssd.policy]
 
     def set_policy(self, name: str) -> None:
-        """Switch every tier to a fresh policy `name` (ValueError if there is none), handing
-        it every resident entry."""
+        """Switch every tier to a fresh policy `name` (ValueError if none) with every entry."""
         policy = self._make_policy(name)
         ssd_policy = self._make_policy(name)
         for key, entry in self.entries.items():

@@ -21,7 +21,9 @@ Rules that keep it from ever slowing a job down:
   epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
-- the window bounds what is staged or in flight, as for every plan.
+- the window bounds what is staged or in flight, as for every plan;
+- a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
+  reader reads it in blocks or through, or whole from the SSD tier, not from staging.
 
 A new epoch (the job has read NEW_EPOCH of its files and reads one again) replaces the plan
 by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
@@ -153,6 +155,7 @@ class Speculator:
         self.tracks: dict[int, JobReads] = {}  # job row -> its reads
         self.plans: dict[int, SpecPlan] = {}
         self._last_read: dict[int, float] = {}
+        self._last_key: dict[int, int] = {}  # the key of each job's latest open
         self._planned_at: dict[int, float] = {}
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
@@ -183,6 +186,9 @@ class Speculator:
                 track = self.tracks[row] = JobReads()
                 track.job = job.id
             self._last_read[row] = now
+            keys = self._reopens_dropped(row, keys)
+            if not len(keys):
+                continue
             began = track.absorb(keys, self.listing_of)
             if began:
                 self.cache.fetchlog.new_epoch()
@@ -195,6 +201,16 @@ class Speculator:
             plan = self.plans.get(row)
             if plan is not None:
                 plan.consume(keys, now)
+
+    def _reopens_dropped(self, row: int, keys: np.ndarray) -> np.ndarray:
+        """`keys` without the opens that repeat the job's previous one: a reader that opens
+        a file again at once (Parquet reads the footer, closes and reopens) reads it once,
+        and taking the reopen for a second read would break the epoch's pattern."""
+        keep = np.ones(len(keys), dtype=bool)
+        keep[1:] = keys[1:] != keys[:-1]
+        keep[0] = int(keys[0]) != self._last_key.get(row, -1)
+        self._last_key[row] = int(keys[-1])
+        return keys[keep]
 
     def tend(self, now: float) -> None:
         """Drop the plans that must stop; make or rebuild those that should run."""
@@ -223,6 +239,12 @@ class Speculator:
         track.grown = False
         self._planned_at[row] = now
         index = track.unread()
+        # Only what an open would take from staging and the RAM tier could keep: a file
+        # above that is read in blocks (a block at a time, to RAM or SSD), through, or
+        # whole while open handles leave room; a staged copy of it is mostly fetched
+        # twice (and never taken when its blocks are on the SSD already).
+        cache = self.cache
+        index = index[track.sizes[index] <= min(cache.ram_max, cache.handle_limit)]
         if len(index):
             cached = np.isin(track.keys[index], self.cache.resident_keys())
             index = index[~cached]
@@ -250,5 +272,6 @@ class Speculator:
         self._drop(row)
         self.tracks.pop(row, None)
         self._last_read.pop(row, None)
+        self._last_key.pop(row, None)
         self._planned_at.pop(row, None)
         self._spent.discard(row)

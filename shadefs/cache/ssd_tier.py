@@ -78,12 +78,15 @@ class SsdTier:
         self.writes = 0
         self.write_failures = 0
         self.dropped_writes = 0
+        self.joined = 0  # lookups served from a write still queued or in flight
         self.evictions = 0
         self.restore_done = False
         self.restore_entries = 0
         self.restore_seconds = 0.0
         self._send, self._recv = trio.open_memory_channel[_Pending](queue)
-        self._pending: set[int] = set()
+        # Queued or being written: a reopen before the write lands reads these bytes
+        # rather than fetch the file again (Parquet reads the footer, closes, reopens).
+        self._pending: dict[int, _Pending] = {}
         # Disk bytes of entries being written: room taken before the store counts them, so
         # concurrent writers cannot together overshoot the budget.
         self._reserved = 0
@@ -117,8 +120,15 @@ class SsdTier:
         An entry that is already in the page cache is read inline: a thread hop would cost
         more than the copy. A cold one is read in a worker thread, because inline it would
         stall every other request for the duration of a disk read, and in threads the reads
-        of concurrent readers overlap.
+        of concurrent readers overlap. A file still on its way to the disk (write-behind)
+        is served from the queued bytes.
         """
+        item = self._pending.get(key)
+        if item is not None and item.sig == sig:
+            self.hits += 1
+            self.joined += 1
+            self.policy.accessed(key, key in self.index, job)
+            return item.data
         if self.lost:
             data = None
         else:
@@ -173,12 +183,13 @@ class SsdTier:
         """Queue a freshly fetched file for the SSD (never blocks)."""
         if len(data) > self.max_entry or key in self.index or key in self._pending or self.lost:
             return
+        item = _Pending(key, relpath, data, sig)
         try:
-            self._send.send_nowait(_Pending(key, relpath, data, sig))
+            self._send.send_nowait(item)
         except trio.WouldBlock:
             self.dropped_writes += 1
             return
-        self._pending.add(key)
+        self._pending[key] = item
 
     @property
     def queued(self) -> int:
@@ -190,7 +201,8 @@ class SsdTier:
             try:
                 await self._write(item)
             finally:
-                self._pending.discard(item.key)
+                if self._pending.get(item.key) is item:
+                    del self._pending[item.key]
 
     async def _write(self, item: _Pending) -> None:
         disk = self.disk_size(item.relpath, len(item.data))

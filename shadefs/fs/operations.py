@@ -31,6 +31,7 @@ from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.extents import advise
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
@@ -117,6 +118,8 @@ class Operations(pyfuse3.Operations):
         self._mem: dict[FileHandleT, memoryview] = {}
         self._fds: dict[FileHandleT, int] = {}
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
+        self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
+        self._random: set[FileHandleT] = set()  # pass-through handles read at random
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -229,9 +232,9 @@ class Operations(pyfuse3.Operations):
             if changed:
                 await invalidate_attrs(inode)
         for _ in range(2):
-            if st.st_size > self.cache.whole_max:  # the one added test on the hit path
+            if st.st_size > self.cache.ram_max:  # the one added test on the hit path
                 blocks = self.blocks
-                if blocks is not None and blocks.applies(st.st_size):
+                if blocks is not None and blocks.takes(inode, st.st_size):
                     return await self._open_blocks(blocks, inode, path, st)
             try:
                 entry = await self.cache.open_entry(inode, path, st, ctx.pid)
@@ -317,7 +320,12 @@ class Operations(pyfuse3.Operations):
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
-            chunk = await self.source.pread(self._fds[fh], size, off)
+            fd = self._fds[fh]
+            if off != self._next.get(fh, off) and fh not in self._random:
+                self._random.add(fh)  # a random reader: no source read-ahead under ours
+                advise(fd, True)
+            self._next[fh] = off + size
+            chunk = await self.source.pread(fd, size, off)
         elif fh in self._blk:
             assert self.blocks is not None
             chunk = await self.blocks.read(self._blk[fh], off, size)
@@ -334,6 +342,8 @@ class Operations(pyfuse3.Operations):
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:
+            self._next.pop(fh, None)
+            self._random.discard(fh)
             await self.source.close_fd(fd)
         elif fh in self._blk:
             assert self.blocks is not None
