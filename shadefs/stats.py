@@ -3,16 +3,12 @@
 This module owns the one typed description of what the daemon reports. Each part describes
 its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier, the
 `SsdStats` with its restore and the policies' `PolicyState`, `PrefetchStats`,
-`SamplerStats`); the daemon's service assembles them into one `Stats`. Every consumer reads that:
-`Stats.to_json()` is the `stats.json` document (its keys are stable: scripts depend on
-them), `render_text()` the human `stats` file, `shadefs.ops.prom` the Prometheus text and
-`shadefs.ops.watch` the live view (it parses stats.json back with `Stats.from_json()`).
+`SamplerStats`); the service assembles them into one `Stats`, which every consumer reads:
+`Stats.to_json()` is `stats.json` (stable keys: scripts depend on them), `render_text()` the
+`stats` file, `shadefs.ops.prom` the Prometheus text, `shadefs.ops.watch` the live view.
 
-This module imports no part: the parts import it for their dataclasses, so the data flows
-one way.
-
-The hot path only increments plain int attributes of `Metrics` (no locks: everything runs
-in the trio thread).
+This module imports no part (the parts import it), so the data flows one way. The hot path
+only increments plain int attributes of `Metrics` (no locks: all runs in the trio thread).
 """
 
 from __future__ import annotations
