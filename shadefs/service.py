@@ -146,7 +146,7 @@ class Service:
 
     async def _list_quietly(self, ino: int) -> None:
         try:
-            await self.namespace.listing(ino)
+            await self.namespace.listing(ino, quiet=True)
         except pyfuse3.FUSEError as exc:
             log.debug("listing directory %d for speculation failed: errno %d", ino, exc.errno)
         finally:

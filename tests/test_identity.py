@@ -17,7 +17,7 @@ from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.records import attrs_of_row, generation
 from shadefs.source import Source
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs, readdir_names
+from tests.test_fs_api import CTX, lookup_path, make_fs, read_all, readdir_names
 
 OLD, NEW = b"o" * 100_000, b"n" * 100_000
 
@@ -196,3 +196,26 @@ async def test_a_file_read_through_that_changed_takes_its_new_version(tmp_path: 
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.open(ino, os.O_RDONLY, CTX)
     assert e.value.errno == errno.ESTALE and not ops._fds
+
+
+async def test_a_directory_listed_for_speculation_still_finds_new_names(tmp_path: Path) -> None:
+    # Speculation lists the directory of a file opened by path; the kernel never saw that
+    # listing, so a name made after it is asked of the source (a reused inode number's new
+    # file was ENOENT by path until the listing aged).
+    src = make_tree(tmp_path / "src", {"d/a": b"a"})
+    ops, svc = make_fs(src)
+    d = await lookup_path(ops, "d")
+    await svc._list_quietly(d)
+    assert d in svc.namespace.listings
+    (src / "d" / "new").write_bytes(b"new file")
+    new = await ops.lookup(d, b"new", CTX)  # the kernel holds d: only the name is asked
+    assert await read_all(ops, new.st_ino) == b"new file"
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.lookup(d, b"none", CTX)
+    assert e.value.errno == errno.ENOENT
+    # Once the kernel is answered from a listing, lookups answer from it until it ages.
+    await ops.opendir(d, CTX)
+    (src / "d" / "newer").write_bytes(b"x")
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.lookup(d, b"newer", CTX)
+    assert e.value.errno == errno.ENOENT

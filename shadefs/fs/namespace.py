@@ -5,7 +5,8 @@ holds what the kernel references (`forget` drops the rest): a million-file tree 
 nothing until it is walked. A directory is listed once (names plus lstat, in one worker
 thread); the snapshot answers readdir and lookups of its children until it is older than
 `revalidate`, then the next use (a lookup too) lists it again. A name in a directory that is
-not listed is asked of the source alone and kept as a one-row snapshot.
+not listed, or missing from a listing the kernel was never answered from (speculation lists
+directories for itself), is asked of the source alone and kept as a one-row snapshot.
 
 Per-file state is compact (snapshots.py): a node is a snapshot row; its path is the
 snapshot's directory path plus the row's name. A node moves to the row the kernel last heard
@@ -156,11 +157,14 @@ class Namespace(InodeNumbers, Resolving):
             if time.monotonic() - snap.stamp >= self.revalidate:
                 snap = await self.listing(parent)  # aged: a new name may be there now
             i = snap.find(name)
-            if i < 0:
+            if i >= 0:
+                ino = int(snap.ino[i])
+                self.remember(ino, snap, i)
+                return ino, snap.stat(i)
+            if snap.shown:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            ino = int(snap.ino[i])
-            self.remember(ino, snap, i)
-            return ino, snap.stat(i)
+            # Listed by the daemon for itself (speculation) before the name was made: answer
+            # as if it were not listed, or a new file is missing by path until `revalidate`.
         # Not listed: ask the source about this one name, and keep its row on its own. The
         # name is looked up in the directory the parent is (its path may lead elsewhere now).
         psnap, pi = self.locate(parent)
@@ -308,12 +312,19 @@ class Namespace(InodeNumbers, Resolving):
 
     # --- directories ------------------------------------------------------------------
 
-    async def listing(self, ino: int) -> Snapshot:
+    async def listing(self, ino: int, *, quiet: bool = False) -> Snapshot:
         """The directory's snapshot, listing the source once even under concurrent opens.
 
         A snapshot older than `revalidate` is refreshed; if the source does not answer, the
-        old snapshot is served (and a known outage skips the attempt altogether).
+        old snapshot is served (and a known outage skips the attempt altogether). `quiet`:
+        for the daemon's own use; the snapshot is `shown` once the kernel is answered from it
+        (then it answers the lookup of a name it lacks, until it ages).
         """
+        snap = await self._listing(ino)
+        snap.shown |= not quiet
+        return snap
+
+    async def _listing(self, ino: int) -> Snapshot:
         slot = self.listings.get(ino)
         if slot is not None:
             old = self._snaps[slot]

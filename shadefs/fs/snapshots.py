@@ -120,6 +120,7 @@ class Snapshot:
     :xattrs: whether each row has extended attributes, once asked (fs/xattrs.py)
     :refs: how many inode-table entries point into this snapshot
     :slot: its index in the namespace's snapshot list
+    :shown: whether the kernel was answered from this listing (namespace.listing)
     """
 
     __slots__ = (
@@ -135,6 +136,7 @@ class Snapshot:
         "stamp",
         "refs",
         "slot",
+        "shown",
     )
 
     def __init__(
@@ -159,6 +161,7 @@ class Snapshot:
         self.stamp = stamp
         self.refs = 0
         self.slot = 0
+        self.shown = False
 
     def __len__(self) -> int:
         return len(self.offs) - 1
