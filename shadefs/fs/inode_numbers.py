@@ -118,6 +118,9 @@ class InodeNumbers:
             return ino
         if old.child_path(oi) == snap.child_path(i):
             return ino
+        # Its number is another file's now: the old node's file is gone or changed, so its
+        # next open checks the path (ESTALE, and the kernel's retry finds what is there).
+        old.checked[oi] = -np.inf
         base = self._base_of.pop(ino, ino)
         fresh = _FRESH_BASE + self._fresh_count
         self._fresh_count += 1
