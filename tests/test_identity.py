@@ -13,6 +13,7 @@ import pytest
 
 from shadefs import source as source_mod
 from shadefs.control.entries import NAME
+from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.records import attrs_of_row, generation
 from shadefs.source import Source
@@ -219,3 +220,34 @@ async def test_a_directory_listed_for_speculation_still_finds_new_names(tmp_path
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.lookup(d, b"newer", CTX)
     assert e.value.errno == errno.ENOENT
+
+
+async def test_a_node_the_kernel_holds_never_serves_the_file_that_took_its_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a/x is deleted and b/y made; the filesystem hands b/y a/x's freed inode number
+    # (simulated: b/y's listing is numbered as if). An open the kernel queued on a/x's inode
+    # before it heard of b/y names the node alone: it must never get b/y's bytes.
+    src = make_tree(tmp_path / "src", {"a/x": OLD, "b/y": NEW})
+    ops, svc = make_fs(src, ram=8 << 20)
+    old = await lookup_path(ops, "a/x")
+    x_ino, y_ino = os.lstat(src / "a" / "x").st_ino, os.lstat(src / "b" / "y").st_ino
+    (src / "a" / "x").unlink()
+    real = records.local_inos
+
+    def reused(rows, devs, dev, root_ino, offset):  # type: ignore[no-untyped-def]
+        rows = rows.copy()
+        rows["st_ino"][rows["st_ino"] == y_ino] = x_ino
+        return real(rows, devs, dev, root_ino, offset)
+
+    monkeypatch.setattr(records, "local_inos", reused)
+    b = await lookup_path(ops, "b")
+    assert await readdir_names(ops, b) == [b"y"]  # readdirplus: b/y's entry handed out
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await read_all(ops, old)  # a/x's path leads nowhere now: never b/y's bytes
+    assert e.value.errno in (errno.ESTALE, errno.ENOENT)
+    new = (await ops.lookup(b, b"y", CTX)).st_ino
+    assert new != old  # a number the kernel holds for a/x is not handed to b/y
+    assert await read_all(ops, new) == NEW
+    await ops.forget([(new, 2)])
+    assert not svc.namespace._renumbered  # forgotten: b/y's inode gets its own number back

@@ -11,7 +11,8 @@ directories for itself), is asked of the source alone and kept as a one-row snap
 Per-file state is compact (snapshots.py): a node is a snapshot row; its path is the
 snapshot's directory path plus the row's name. A node moves to the row the kernel last heard
 of it by (readdirplus, lookup): a refreshed listing, a rename, a hard link's other name, a
-reused inode number. A regular file whose stat changed on the way joins `unsure` (the
+reused inode number (unless the kernel still references the node for another file:
+inode_numbers.py). A regular file whose stat changed on the way joins `unsure` (the
 kernel's pages may be of another version), a directory loses its listing. A path is only
 where a file was: an open whose path leads elsewhere gets ESTALE (`stale`), and the kernel's
 one retry looks the names up again (docs/developer-notes.md, "Identity").
@@ -90,7 +91,7 @@ class Namespace(InodeNumbers, Resolving):
         self.table.set(ROOT_INODE, 0)
         #: directory inode -> the slot of its current snapshot
         self.listings: dict[int, int] = {}
-        self._foreign: dict[tuple[int, int], int] = {}
+        self._init_numbers()
         self._listing_flights: dict[int, trio.Event] = {}
         # Records of the files opened last (at most _OPENED_KEPT): a hot file's reopen skips
         # rebuilding them. Dropped when the row or stat changes (_move, forget, fresh_stat).
@@ -158,8 +159,7 @@ class Namespace(InodeNumbers, Resolving):
                 snap = await self.listing(parent)  # aged: a new name may be there now
             i = snap.find(name)
             if i >= 0:
-                ino = int(snap.ino[i])
-                self.remember(ino, snap, i)
+                ino = self.remember(int(snap.ino[i]), snap, i)
                 return ino, snap.stat(i)
             if snap.shown:
                 raise pyfuse3.FUSEError(errno.ENOENT)
@@ -177,26 +177,27 @@ class Namespace(InodeNumbers, Resolving):
         _, rows, _ = scan_rows([(name, st)])
         snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), time.monotonic())
         self._place(snap)
-        self.remember(ino, snap, 0)
+        ino = self.remember(ino, snap, 0)
         self._maybe_free(snap)  # unless the row became the node
         return ino, snap.stat(0)
 
-    def remember(self, ino: int, snap: Snapshot, i: int) -> None:
-        """Count one kernel reference to `ino`, row `i` of `snap` (from lookup or an
-        accepted readdirplus entry)."""
+    def remember(self, ino: int, snap: Snapshot, i: int) -> int:
+        """Count one kernel reference to row `i` of `snap`, numbered `ino` (from lookup or
+        an accepted readdirplus entry); the number, a fresh one if `claim` says so."""
+        ino = self.claim(ino, snap, i)
         val = self.table.get(ino)
         if val < 0:
             self.table.set(ino, snap.slot << 32 | i)
             snap.lookups[i] = 1
             snap.checked[i] = snap.stamp
             snap.refs += 1
-            return
+            return ino
         oslot, oi = val >> 32, val & _ROW
         old = self._snaps[oslot]
         assert old is not None
         old.lookups[oi] += 1
         if old is snap:
-            return  # a hard link's other name in the same listing: one path is enough
+            return ino  # a hard link's other name in the same listing: one path is enough
         # The newest row the kernel heard of is the node: a refreshed listing (so that the
         # old one can go), a rename, a hard link's other name, a reused inode number.
         ost, nst = old.stat(oi), snap.stat(i)
@@ -218,6 +219,7 @@ class Namespace(InodeNumbers, Resolving):
             if stat.S_ISREG(nst.st_mode):
                 self.unsure.add(ino)
                 self.changed_files += 1
+        return ino
 
     def remember_rows(self, snap: Snapshot, lo: int, hi: int) -> None:
         """`remember` rows lo..hi-1 of `snap` (what readdirplus handed out). A row with a
@@ -271,6 +273,7 @@ class Namespace(InodeNumbers, Resolving):
                 continue
             snap.lookups[i] = 0
             table.pop(ino)
+            self.forget_number(ino)
             self._opened.pop(ino, None)
             self.unsure.discard(ino)  # the kernel's inode and its pages are gone
             self._drop_listing(ino)

@@ -176,7 +176,7 @@ class Operations(pyfuse3.Operations):
         for lo in range(start_id - 2, n, _READDIR_CHUNK):
             hi = min(lo + _READDIR_CHUNK, n)
             rows = listing.rows[lo:hi].tolist()
-            inos = listing.ino[lo:hi].tolist()
+            inos = self.ns.claim_rows(listing, lo, hi)
             for k in range(hi - lo):
                 i = lo + k
                 name = names[offs[i] : offs[i + 1]]

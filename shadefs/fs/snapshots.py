@@ -303,6 +303,22 @@ class InodeTable:
         self._n = n
         return known
 
+    def held(self, inos: list[int]) -> list[int]:
+        """The k whose `inos[k]` is in the table (one plain loop, as in add_rows)."""
+        keys, mask, shift = self._keys, self._mask, 64 - self._bits
+        out = []
+        for k, ino in enumerate(inos):
+            i = ((ino * _GOLDEN) >> shift) & mask
+            while True:
+                cur = keys[i]
+                if cur == ino:
+                    out.append(k)
+                    break
+                if cur == 0:
+                    break
+                i = (i + 1) & mask
+        return out
+
     def pop(self, ino: int) -> int:
         """Remove `ino`; its value, or -1 when it was not there."""
         keys, vals, mask = self._keys, self._vals, self._mask
