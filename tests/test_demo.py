@@ -15,13 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import require_fuse
+from tests.test_demo_report import FakeEpoch
 
 if not os.environ.get("CI"):
     pytest.importorskip("torch")
@@ -89,16 +89,6 @@ def demo_cmd(work: Path, epochs: int) -> list[str]:
     ]
 
 
-@dataclass
-class _Epoch:
-    epoch: int
-    hit_ratio: float | None
-    test_accuracy: float
-    epoch_time: float
-    hits: int | None = None
-    misses: int | None = None
-
-
 def test_plot_is_written_headless_without_pyplot(tmp_path: Path) -> None:
     # In a fresh interpreter: pyplot would pick a GUI backend and keep global state.
     script = (
@@ -126,7 +116,7 @@ def test_plot_is_written_headless_without_pyplot(tmp_path: Path) -> None:
 
 
 def test_mean_epoch_time_leaves_out_the_cold_first_epoch() -> None:
-    epochs = [_Epoch(0, 0.0, 0.5, 9.0), _Epoch(1, 0.2, 0.9, 2.0), _Epoch(2, 0.2, 0.9, 4.0)]
+    epochs = [FakeEpoch(0, 0.0, 0.5, 9.0), FakeEpoch(1, 0.2, 0.9, 2.0), FakeEpoch(2, 0.2, 0.9, 4.0)]
     assert mean_epoch_time(epochs) == 3.0
     assert mean_epoch_time(epochs[:1]) == 9.0
 

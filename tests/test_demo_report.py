@@ -13,7 +13,9 @@ from shadefs.demo.report import epoch_line, epoch_table, summary_lines, summary_
 
 
 @dataclass
-class _Epoch:
+class FakeEpoch:
+    """An epoch record without torch (shadefs.demo.digits.EpochRecord imports it)."""
+
     epoch: int
     hit_ratio: float | None
     test_accuracy: float
@@ -28,19 +30,19 @@ def _runs(times: tuple[list[float], list[float], list[float]]) -> list[Run]:
         Run(
             "remote",
             "remote directly (no shadefs), uniform sampling",
-            [_Epoch(i, None, 0.8 + i / 100, t) for i, t in enumerate(remote)],
+            [FakeEpoch(i, None, 0.8 + i / 100, t) for i, t in enumerate(remote)],
             "remote directly",
         ),
         Run(
             "uniform",
             "shadefs: uniform sampling, epoch policy",
-            [_Epoch(i, 0.2, 0.8 + i / 100, t, 20, 80) for i, t in enumerate(uniform)],
+            [FakeEpoch(i, 0.2, 0.8 + i / 100, t, 20, 80) for i, t in enumerate(uniform)],
             "shadefs uniform",
         ),
         Run(
             "shade",
             "shadefs: ShadeSampler (replay 3), shade policy",
-            [_Epoch(i, 0.6, 0.9, t, 60, 40) for i, t in enumerate(shade)],
+            [FakeEpoch(i, 0.6, 0.9, t, 60, 40) for i, t in enumerate(shade)],
             "ShadeSampler",
         ),
     ]
@@ -84,9 +86,9 @@ def test_speed_ups_are_against_the_baselines_own_time() -> None:
 
 
 def test_the_baselines_epoch_line_has_no_hit_ratio_and_no_misses() -> None:
-    line = epoch_line("remote", _Epoch(0, None, 0.797, 7.34))
+    line = epoch_line("remote", FakeEpoch(0, None, 0.797, 7.34))
     assert line == (
         "  remote   epoch  1: hit ratio   n/a  accuracy  0.797  time   7.3 s  misses   n/a"
     )
-    line = epoch_line("shade", _Epoch(1, 0.601, float("nan"), 1.2, 861, 573))
+    line = epoch_line("shade", FakeEpoch(1, 0.601, float("nan"), 1.2, 861, 573))
     assert "hit ratio 0.601  accuracy    n/a" in line and line.endswith("misses   573")
