@@ -167,10 +167,11 @@ def _epoch(cache: Cache, source: _Source, order: list[int]) -> list[bool]:
     return trio.run(run)
 
 
-def _shade_cache(
-    scores: list[float], slots: int, kept: bool = True
+def _cache(
+    scores: list[float], slots: int, policy: str = "shade", kept: bool = True, jobs: bool = False
 ) -> tuple[_Source, PendingReads, Cache]:
-    """A `shade` cache with room for `slots` files; key k is sample k, of score scores[k]."""
+    """A cache with room for `slots` files; key k is sample k, of score scores[k]. `jobs`:
+    a job table that reads no /proc, for tests that name their jobs."""
     n = len(scores)
     pending = PendingReads(lambda key: key if 0 <= key < n else -1)
     pending.reset(n)
@@ -180,9 +181,10 @@ def _shade_cache(
         Metrics(),
         capacity=slots * SIZE,
         max_entry=SIZE,
-        policy="shade",
+        policy=policy,
         score_of=lambda key: scores[key],
         pending=pending if kept else None,
+        **({"jobs": JobTable(proc=ProcInfo("/nonexistent"))} if jobs else {}),
     )
     return source, pending, cache
 
@@ -192,7 +194,7 @@ def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bo
     # Room for 8 files. Samples 0-7 are resident and unimportant; the epoch reads each of
     # them twice (replays), with 8 more important misses (8-15) read in between. Evicting
     # a resident sample for a miss would fetch it again for its second read.
-    source, pending, cache = _shade_cache([0.1] * 8 + [0.9] * 8, slots=8, kept=kept)
+    source, pending, cache = _cache([0.1] * 8 + [0.9] * 8, slots=8, kept=kept)
     _epoch(cache, source, list(range(8)))  # epoch 0 makes 0-7 resident
     assert sorted(cache.entries) == list(range(8))
     order = [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
@@ -217,7 +219,7 @@ def test_shade_keeps_a_resident_sample_until_the_epochs_last_read_of_it(kept: bo
 
 
 def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
-    source, pending, cache = _shade_cache([0.1, 0.1, 0.9, 0.9], slots=2)
+    source, pending, cache = _cache([0.1, 0.1, 0.9, 0.9], slots=2)
     _epoch(cache, source, [0, 1])
     pending.expect(1, np.array([0, 1, 2, 0, 1]))
     cache.begin_epoch(1)
@@ -236,19 +238,7 @@ def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy:
     # first: room for 10 files bridges that. The first starts epoch 1 while the second
     # still reads epoch 0, which must keep what the second has still to read.
     n, lag = 40, 4
-    pending = PendingReads(lambda key: key if 0 <= key < 2 * n else -1)
-    pending.reset(2 * n)
-    source = _Source()
-    cache = Cache(
-        source,  # type: ignore[arg-type]
-        Metrics(),
-        capacity=10 * SIZE,
-        max_entry=SIZE,
-        policy=policy,
-        score_of=lambda key: 0.5,
-        pending=pending,
-        jobs=JobTable(proc=ProcInfo("/nonexistent")),
-    )
+    source, pending, cache = _cache([0.5] * (2 * n), slots=10, policy=policy, jobs=True)
     rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
     rng = np.random.default_rng(3)
     orders = [rng.permutation(n), n + rng.permutation(n)]  # epoch 1 reads other files
@@ -281,19 +271,7 @@ def test_members_further_apart_than_the_cache_bridges_are_counted() -> None:
     # Room for 5 files, the second member 8 files behind: the first member's misses that
     # the second still reads cannot all stay, and the stats say so.
     n, lag = 30, 8
-    pending = PendingReads(lambda key: key if 0 <= key < n else -1)
-    pending.reset(n)
-    source = _Source()
-    cache = Cache(
-        source,  # type: ignore[arg-type]
-        Metrics(),
-        capacity=5 * SIZE,
-        max_entry=SIZE,
-        policy="shade",
-        score_of=lambda key: 0.5,
-        pending=pending,
-        jobs=JobTable(proc=ProcInfo("/nonexistent")),
-    )
+    source, pending, cache = _cache([0.5] * n, slots=5, jobs=True)
     rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
     order = np.random.default_rng(4).permutation(n)
     for row in rows:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from shadefs.cache.extents import EXTENT, Extents, streak
 from shadefs.cache.ssd_format import Signature
@@ -111,15 +112,15 @@ async def test_opening_a_block_cached_file_fetches_nothing(tmp_path: Path) -> No
         fi = await ops.open(await lookup_path(ops, "fill.bin"), os.O_RDONLY, CTX)
         assert await _pread(ops, fi.fh, 0, len(fill)) == fill  # the RAM tier is full
         await ops.release(fi.fh)
-        await trio.sleep(0.2)
+        await _settled(svc)
         before = svc.source.bytes_read
         fi = await ops.open(await lookup_path(ops, "t.parquet"), os.O_RDONLY, CTX)
-        await trio.sleep(0.2)
+        await _settled(svc)
         assert svc.source.bytes_read == before
         # A footer read (Parquet's first) is random: it costs an extent, not a block.
         tail = len(data) - 8
         assert await _pread(ops, fi.fh, tail, 8) == data[tail:]
-        await trio.sleep(0.2)
+        await _settled(svc)
         assert svc.source.bytes_read - before == EXTENT
         # Then a column chunk read as a stream gets whole blocks and read-ahead.
         for off in range(BS, 3 * BS, 64 << 10):
@@ -208,9 +209,18 @@ def test_sequential_judgement_and_the_extent_lru() -> None:
     assert ext.get(-1, 0, other) is None and ext.bytes == 4  # another version: dropped
 
 
-async def _ssd_settled(svc) -> None:
-    while svc.ssd.queued or svc.blocks.ahead_bytes:
-        await trio.sleep(0.02)
+async def _settled(svc) -> None:
+    """Until every task waits and no source call or SSD write is in flight: background
+    loads have landed (they run in real threads, which no clock can advance)."""
+    while True:
+        await trio.testing.wait_all_tasks_blocked()
+        if not (
+            svc.source.limiter.borrowed_tokens
+            or svc.blocks.ahead_bytes
+            or (svc.ssd is not None and svc.ssd.queued)
+        ):
+            return
+        await trio.sleep(0.01)  # a worker thread is still busy
 
 
 async def test_a_file_above_the_handle_limit_reaches_the_ssd_tier(tmp_path: Path) -> None:
@@ -228,7 +238,7 @@ async def test_a_file_above_the_handle_limit_reaches_the_ssd_tier(tmp_path: Path
             got = [await _pread(ops, fi.fh, off, 65536) for off in range(0, len(data), 65536)]
             assert b"".join(got) == data
             await ops.release(fi.fh)
-            await _ssd_settled(svc)
+            await _settled(svc)
             if not first:
                 first = svc.source.bytes_read
         nursery.cancel_scope.cancel()
@@ -251,7 +261,7 @@ async def test_a_file_whose_blocks_are_on_the_ssd_is_read_from_them(tmp_path: Pa
         assert await _pread(ops, fb.fh, 0, len(b)) == b
         await ops.release(fb.fh)
         await ops.release(fa.fh)
-        await _ssd_settled(svc)
+        await _settled(svc)
         before = svc.source.bytes_read
         fb = await ops.open(ib, os.O_RDONLY, CTX)  # room now, but its blocks are on the SSD
         assert await _pread(ops, fb.fh, 0, len(b)) == b
@@ -279,10 +289,10 @@ async def test_random_readers_of_held_open_files_fill_the_ssd_tier(tmp_path: Pat
                 off = rng.randrange(len(files[name]) // 4096) * 4096
                 assert await _pread(ops, fhs[name], off, 4096) == files[name][off : off + 4096]
                 await trio.sleep(0)  # let the background loads run
-            await _ssd_settled(svc)
+            await _settled(svc)
             for fh in fhs.values():
                 await ops.release(fh)
-            await _ssd_settled(svc)
+            await _settled(svc)
             fetched.append(svc.source.bytes_read - before)
         nursery.cancel_scope.cancel()
     assert fetched[1] <= 0.02 * total, (fetched, total)
@@ -361,7 +371,7 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
 # --- through a real mount -------------------------------------------------------------------
 
 
-def _settled(m) -> dict:
+def _mount_settled(m) -> dict:
     deadline = time.monotonic() + 30
     while True:
         s = m.stats()
@@ -394,10 +404,10 @@ def test_files_above_the_handle_limit_come_from_the_ssd_tier_next_time(
             n = rng.choice(sorted(fds))
             off = rng.randrange(len(files[n]) // 4096) * 4096
             assert os.pread(fds[n], 4096, off) == files[n][off : off + 4096]
-        _settled(m)
+        _mount_settled(m)
         for fd in fds.values():
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next pass reaches us
             os.close(fd)
-        fetched.append(_settled(m)["bytes_from_source"] - before)
+        fetched.append(_mount_settled(m)["bytes_from_source"] - before)
     assert m.stats()["passthrough_opens"] == 0
     assert fetched[1] <= 0.02 * total, (fetched, total)
