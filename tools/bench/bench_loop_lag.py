@@ -9,6 +9,11 @@ loop timer running. Then, phase by phase, the worst delay of the timer:
 
 - order build: both jobs ask for their epoch 0 order (each its own seed) at once;
 - epoch change: the first job announces epoch 1 and asks for its order;
+- replan: the speculator (cache/speculate.py) plans an unchanged job (a plain shuffled
+  DataLoader: no announced order) over a universe of every registered file, in `dirs`
+  directories, then replans it as the universe grows (a directory joins), its REPLAN
+  period apart; the job's first reads of each directory (the universe's growth, the
+  epoch tracker's work) come before the phase and print as "universe growth";
 - reads: 20,000 opens of resident files by the two jobs (the hit path, for scale).
 
 The target is <= 50 ms in every phase (issue 20). Wall times are disturbed by other load on
@@ -28,7 +33,9 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
+from shadefs.cache import speculate
 from shadefs.cache.ssd_format import Signature
+from shadefs.fs.snapshots import STAT_DTYPE
 from shadefs.options import MountOptions
 from shadefs.sampling import wire
 from shadefs.service import Service
@@ -53,6 +60,21 @@ class LoopLag:
         return worst * 1000
 
 
+class FakeListing:
+    """A directory listing of `keys` (sampling/epochs.py's Listing), without a namespace."""
+
+    def __init__(self, path: bytes, keys: np.ndarray) -> None:
+        self.path = path
+        self.ino = keys
+        self.rows = np.zeros(len(keys), dtype=STAT_DTYPE)
+        self.rows["st_mode"] = 0o100644
+        self.rows["st_size"] = 4
+        self.rows["st_ino"] = keys
+
+    def child_path(self, i: int) -> bytes:
+        return self.path + b"/%d" % i
+
+
 async def bench(args: argparse.Namespace, src: Path) -> None:
     n = args.samples
     resident = int(n * args.fraction)
@@ -67,8 +89,9 @@ async def bench(args: argparse.Namespace, src: Path) -> None:
     t0 = time.monotonic()
     await service.register_dataset([f"train/c{i % 1000:04d}/s{i:07d}.JPEG" for i in range(n)])
     cache = service.cache
+    where = hash(b"x")  # the path every open below reads by (Entry.where)
     for k in keys[:resident].tolist():
-        cache.admit(k, k.to_bytes(4, "little"), Signature(4, 1, 1, k))
+        cache.admit(k, k.to_bytes(4, "little"), Signature(4, 1, 1, k), where)
     print(f"{n} samples registered, {len(cache.entries)} resident, {time.monotonic() - t0:.1f} s")
     jobs = (os.getpid(), os.getppid())
 
@@ -105,6 +128,38 @@ async def bench(args: argparse.Namespace, src: Path) -> None:
 
         await phase("order build (2 jobs)", [(order, 0, 1, jobs[0]), (order, 0, 2, jobs[1])])
         await phase("epoch change", [(announce, 1, jobs[0])])
+        # An unchanged job: its reads, then the speculator's plan over its universe. The
+        # sampler's order plans go first (a known order turns speculation off).
+        service.drop_plans(service.plan_names())
+        per_dir = -(-n // args.dirs)
+        listings = [
+            FakeListing(b"train/d%04d" % d, keys[d * per_dir : (d + 1) * per_dir])
+            for d in range(args.dirs)
+        ]
+        spec = speculate.Speculator(
+            cache, lambda key: listings[(key - 1000) // per_dir], seed=0
+        )
+        reader = cache.jobs.job_of(jobs[1])
+
+        async def grow(dirs: range) -> None:
+            for d in dirs:  # one read in each directory: its listing joins the universe
+                reader.reads.append(int(keys[d * per_dir + 1]))
+            spec.sync()
+
+        async def replan() -> None:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(spec.run)
+                for d in range(2):
+                    await trio.sleep(speculate.REPLAN * 1.5)
+                    reader.reads.append(int(keys[d * per_dir + 2]))  # still reading
+                    spec.tracks[reader.row].grown = True  # as if a directory joined
+                await trio.sleep(speculate.REPLAN * 1.5)
+                inner.cancel_scope.cancel()
+            plan = spec.plans.get(reader.row)
+            print(f"  {spec.plans_made} plans made, the last of {len(plan) if plan else 0} files")
+
+        await phase("universe growth (tracking)", [(grow, range(args.dirs))])
+        await phase("replan (1 job, no order)", [(replan,)])
         await phase("reads (2 jobs)", [(reads, jobs[0]), (reads, jobs[1])])
         nursery.cancel_scope.cancel()
 
@@ -114,6 +169,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1_280_000)
     ap.add_argument("--policy", default="epoch")
     ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--dirs", type=int, default=100, help="directories of the universe")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trio.run(bench, args, Path(tmp))
