@@ -43,7 +43,7 @@ from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
-from shadefs.sampling.registry import Sampling, SamplingError
+from shadefs.sampling.registry import Sampling, SamplingError, resident_among
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.source import Source
@@ -333,7 +333,7 @@ class Service:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
         with _refusing():
             share = await self.sampling.order_async(
-                request, self._cached_keys, group, self._job_row(pid)
+                request, self.cache.cached_keys, group, self._job_row(pid)
             )
         members = self.cache.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
@@ -358,11 +358,12 @@ class Service:
             self.prefetcher.add_plan(plan)
         return share
 
-    def resident_bitmap(self, n: int) -> np.ndarray:
+    async def resident_bitmap(self, n: int) -> np.ndarray:
         s = self.sampling
         if n != s.n:
             raise Rejected(f"residency asked for {n} samples, but {s.n} are registered")
-        return self._resident(s.keys)
+        # A set test over every sample: over snapshots, in a worker thread.
+        return await trio.to_thread.run_sync(resident_among, s.keys, self.cache.cached_keys())
 
     async def install_order(self, msg: NodeOrder) -> np.ndarray:
         before = self.sampling.partition
@@ -374,14 +375,6 @@ class Service:
                 if isinstance(policy, Owned):
                     policy.reclassify()
         return order
-
-    def _cached_keys(self) -> list[int]:
-        """Every key in any tier (blocks' negative ones too): a list copies at C speed."""
-        ssd = self.cache.ssd
-        return list(self.cache.entries) + (list(ssd.index) if ssd is not None else [])
-
-    def _resident(self, keys: np.ndarray) -> np.ndarray:
-        return np.isin(keys, self.cache.resident_keys())
 
 
 @contextlib.contextmanager

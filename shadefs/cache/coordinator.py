@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
 import trio
 
 from shadefs.cache.block_keys import by_file
@@ -121,7 +120,6 @@ class Cache:
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
-        self.blocks_cached = False  # set by cache/blocks.py: entries may hold block keys
         self.prefetcher = (
             Prefetcher.with_settings(prefetch, self.fetch_ahead, self.tier_of) if prefetch else None
         )
@@ -414,15 +412,12 @@ class Cache:
             return 1
         return 2 if self.ssd is not None and key in self.ssd.index else 0
 
-    def resident_keys(self) -> np.ndarray:
-        """Every cached key in any tier, as uint64 (the order builder's resident set)."""
-        keys: Set[int] = self.entries.keys()
-        if self.ssd is not None:
-            keys = keys | self.ssd.index.keys()
-        if self.blocks_cached:
-            # Block keys are negative and name no sample: files only.
-            keys = {k for k in keys if k >= 0}
-        return np.fromiter(keys, dtype=np.uint64, count=len(keys))
+    def cached_keys(self) -> list[int]:
+        """Every key in any tier (blocks' negative ones too), as a list: a copy at C speed
+        that a worker thread may read, where a set union of the tiers' keys would stall the
+        event loop at 1.28 M files (sampling/registry.py's `resident_among` reads it)."""
+        ssd = self.ssd
+        return list(self.entries) + (list(ssd.index) if ssd is not None else [])
 
     async def evict(self, key: int) -> bool:
         """Drop `key` from every tier; False if it was not cached."""

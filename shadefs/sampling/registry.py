@@ -139,6 +139,13 @@ def _place(
     return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
 
 
+def resident_among(keys: np.ndarray, cached: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Which of `keys` (uint64) are among `cached` (every cached key as a list or an array,
+    blocks' negative ones too, which name no sample): in any thread."""
+    held = np.asarray(cached, dtype=np.int64)
+    return np.isin(keys, held[held >= 0].astype(np.uint64))
+
+
 def _build_over(
     scores: np.ndarray,
     keys: np.ndarray,
@@ -146,8 +153,7 @@ def _build_over(
     params: pads.OrderParams,
 ) -> np.ndarray:
     """`_build` with the residency of `keys` among the `cached` keys (a worker thread)."""
-    held = np.asarray(cached, dtype=np.int64)
-    return _build(scores, np.isin(keys, held[held >= 0].astype(np.uint64)), params)
+    return _build(scores, resident_among(keys, cached), params)
 
 
 class Sampling:

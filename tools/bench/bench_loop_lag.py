@@ -136,9 +136,7 @@ async def bench(args: argparse.Namespace, src: Path) -> None:
             FakeListing(b"train/d%04d" % d, keys[d * per_dir : (d + 1) * per_dir])
             for d in range(args.dirs)
         ]
-        spec = speculate.Speculator(
-            cache, lambda key: listings[(key - 1000) // per_dir], seed=0
-        )
+        spec = speculate.Speculator(cache, lambda key: listings[(key - 1000) // per_dir], seed=0)
         reader = cache.jobs.job_of(jobs[1])
 
         async def grow(dirs: range) -> None:
