@@ -43,7 +43,7 @@ from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
-from shadefs.sampling.registry import Sampling, SamplingError, resident_among
+from shadefs.sampling.registry import PathTable, Sampling, SamplingError, resident_among
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.source import Source
@@ -349,9 +349,9 @@ class Service:
                 plan.readers = members
                 return share
             self._plan_epochs[name] = request.epoch
-            # Sorting a plan of a whole epoch takes long: a worker thread does it.
-            keys, paths, sizes = s.keys[share], s.paths.take(share), s.sizes[share]
-            plan = await trio.to_thread.run_sync(Plan, name, keys, paths, sizes)
+            # Gathering and sorting a plan of a whole epoch takes long: a worker thread
+            # does it, over the registered arrays (a registration replaces, never mutates).
+            plan = await trio.to_thread.run_sync(_plan_of, name, s.keys, s.paths, s.sizes, share)
             if self._plan_epochs.get(name) != request.epoch:
                 return share  # a later epoch's plan was installed meanwhile
             plan.readers = members
@@ -375,6 +375,14 @@ class Service:
                 if isinstance(policy, Owned):
                     policy.reclassify()
         return order
+
+
+def _plan_of(
+    name: str, keys: np.ndarray, paths: PathTable, sizes: np.ndarray, share: np.ndarray
+) -> Plan:
+    """The prefetch plan of a rank's `share` (sample ids) of the registered dataset (in any
+    thread: it reads only its arguments)."""
+    return Plan(name, keys[share], paths.take(share), sizes[share])
 
 
 @contextlib.contextmanager

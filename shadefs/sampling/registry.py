@@ -123,6 +123,15 @@ def _build(scores: np.ndarray, resident: np.ndarray, params: pads.OrderParams) -
     return full
 
 
+def _share_of(
+    full: np.ndarray, world_size: int, rank: int, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's share of a global order and its reads per sample id over `n` ids (in any
+    thread: it reads only its arguments)."""
+    share = pads.rank_slice(full, world_size, rank)
+    return share, PendingReads.count(share, n)
+
+
 def _place(
     scores: np.ndarray, replay: float, n: int, msg: NodeOrder
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -311,7 +320,7 @@ class Sampling:
         it was built for."""
         full = self._known(request, group)
         if full is not None:
-            return self._serve(request, full, job)
+            return await self._serve_async(request, full, job)
         key = _order_key(request, group)
         building = self._building.get(key)
         if building is not None:
@@ -329,7 +338,7 @@ class Sampling:
         if generation != self._generation:
             raise SamplingError("the dataset was registered anew while its order was built")
         self._keep(key, full)
-        return self._serve(request, full, job)
+        return await self._serve_async(request, full, job)
 
     def _known(self, request: wire.OrderRequest, group: str) -> np.ndarray | None:
         """The epoch's order if it is built (a multi-node job's shares: the rank's share)."""
@@ -361,6 +370,24 @@ class Sampling:
             return full  # a multi-node share, counted when it was installed
         share = pads.rank_slice(full, request.world_size, request.rank)
         self.pending.expect(request.epoch, share, job, (request.world_size, request.rank))
+        return share
+
+    async def _serve_async(
+        self, request: wire.OrderRequest, full: np.ndarray, job: int | None
+    ) -> np.ndarray:
+        """`_serve`, with the rank's slice and its reads per sample (an epoch's worth of
+        fancy indexing and a bincount) computed in a worker thread."""
+        if (request.epoch, request.seed, request.world_size) in self._shares:
+            return self._serve(request, full, job)
+        generation = self._generation
+        share, counts = await trio.to_thread.run_sync(
+            _share_of, full, request.world_size, request.rank, len(self.pending.left)
+        )
+        if generation != self._generation:
+            raise SamplingError("the dataset was registered anew while its order was served")
+        self.orders_served += 1
+        where = (request.world_size, request.rank)
+        self.pending.expect(request.epoch, share, job, where, counts)
         return share
 
     def install(self, msg: NodeOrder) -> np.ndarray:
