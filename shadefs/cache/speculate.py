@@ -15,8 +15,10 @@ from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
 Rules that keep it from ever slowing a job down:
 
 - a file the job read this epoch is never staged: the plan's entries are marked consumed as
-  the job's reads are taken in (`sync`, also called by the prefetcher before each round
-  and before it stages a fetched file), and the prefetcher skips consumed entries;
+  the job's reads are taken in (`sync`), the plan also counts the reads its job logged
+  since (it holds the job's read log: `consumed`, `next_use`), and the prefetcher skips
+  consumed entries and stages only what some plan still reads. So the prefetcher never
+  calls the speculator, and a finished fetch never re-enters a planner;
 - the plan is dropped when the job's reads stop (`idle` seconds without one), when its
   epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
@@ -41,6 +43,7 @@ known order started, and the reads taken in meanwhile are consumed from it first
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +56,7 @@ from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
-from shadefs.sampling.jobs import JobTable
+from shadefs.sampling.jobs import Job, JobTable
 from shadefs.sampling.registry import resident_among
 
 
@@ -117,11 +120,31 @@ class SpecPlan(Plan):
 
     speculative = True
 
+    def __init__(
+        self,
+        name: str,
+        keys: np.ndarray,
+        paths: Sequence[bytes],
+        sizes: np.ndarray,
+        unseen: Sequence[int] = (),
+    ) -> None:
+        """`unseen`: the job's log of reads not taken in yet (sampling/jobs.py's Job.reads,
+        which `Speculator.sync` empties): they count as read before `consume` sees them."""
+        super().__init__(name, keys, paths, sizes)
+        self.unseen = unseen
+
     @classmethod
     def over(cls, name: str, reads: JobReads, index: np.ndarray) -> SpecPlan:
         """The plan of universe entries `index` of `reads`, in that order."""
         paths = _Paths(list(reads.listings), reads.where[index])
         return cls(name, reads.keys[index], paths, reads.sizes[index])
+
+    def consumed(self, pos: int) -> bool:
+        # A scan of the reads logged since the last sync: at most PERIOD's worth.
+        return bool(self._consumed[pos]) or int(self.keys[pos]) in self.unseen
+
+    def next_use(self, key: int) -> float:
+        return math.inf if key in self.unseen else super().next_use(key)
 
     def observe(self, key: int, now: float) -> bool:
         return False  # `consume` takes the job's reads in batches instead
@@ -165,12 +188,15 @@ class _Snapshot(NamedTuple):
     limit: int  # the largest file worth staging
     cached: list[int]  # every cached key (blocks' negative ones too)
     seed: int
+    unseen: Sequence[int]  # the job's read log (SpecPlan's)
 
     @classmethod
-    def of(cls, name: str, reads: JobReads, limit: int, cached: list[int], seed: int) -> _Snapshot:
+    def of(
+        cls, name: str, reads: JobReads, limit: int, cached: list[int], seed: int, log: Job
+    ) -> _Snapshot:
         return cls(
             name, reads.keys, reads.sizes, reads.where, list(reads.listings),
-            reads.unread(), limit, cached, seed,
+            reads.unread(), limit, cached, seed, log.reads,
         )  # fmt: skip
 
 
@@ -186,7 +212,8 @@ def _build_plan(snap: _Snapshot) -> SpecPlan | None:
     if not len(index):
         return None
     index = np.random.default_rng(snap.seed).permutation(index)
-    return SpecPlan(snap.name, keys[index], _Paths(listings, where[index]), sizes[index])
+    paths = _Paths(listings, where[index])
+    return SpecPlan(snap.name, keys[index], paths, sizes[index], snap.unseen)
 
 
 @dataclass
@@ -196,7 +223,6 @@ class _Build:
     track: JobReads
     epochs: int  # the track's epochs when it began
     caught: list[np.ndarray] = field(default_factory=list)  # reads taken in since
-    again: bool = False  # a new epoch asked for another plan meanwhile
 
 
 class Speculator:
@@ -227,9 +253,8 @@ class Speculator:
         self.offload_above = offload_above
         self._nursery: trio.Nursery | None = None  # while `run` runs: builds go off the loop
         self._building: dict[int, _Build] = {}  # job row -> its plan in the making
+        self._renew: set[int] = set()  # rows whose new epoch wants a fresh plan (`tend`)
         cache.fetchlog.sync = self.sync
-        if self.enabled and cache.prefetcher is not None:
-            cache.prefetcher.before_round = self.sync
 
     async def run(self) -> None:
         """Take the reads in and keep the plans, until cancelled (unmount)."""
@@ -245,7 +270,8 @@ class Speculator:
             self._building.clear()
 
     def sync(self) -> None:
-        """Take in every job's logged reads (the prefetcher calls this before each round)."""
+        """Take in every job's logged reads. It plans nothing (`tend` does): the fetch log
+        calls it on a refetch, and a finished fetch must not re-enter the planning."""
         now = time.monotonic()
         jobs = self.cache.jobs.jobs
         for row in [r for r, t in self.tracks.items() if r not in jobs or jobs[r].id != t.job]:
@@ -271,10 +297,9 @@ class Speculator:
                 self.cache.fetchlog.new_epoch()
                 log.debug("job %s: epoch %d begins", job.id, track.epochs)
                 self._spent.discard(row)
-                if row in self.plans or building is not None:
-                    # A fresh plan over the new epoch's unread files; what is staged stays
-                    # (it is unread in this epoch too).
-                    self._plan(row, track, now)
+                # A fresh plan over the new epoch's unread files (`tend`); what is staged
+                # stays (it is unread in this epoch too).
+                self._renew.add(row)
             plan = self.plans.get(row)
             if plan is not None:
                 plan.consume(keys, now)
@@ -309,16 +334,14 @@ class Speculator:
             if track.grown:
                 self._spent.discard(row)
             stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
-            if (plan is None and row not in self._spent) or stale:
+            renew = row in self._renew
+            if (plan is None and row not in self._spent) or stale or renew:
                 self._plan(row, track, now)
 
     def _plan(self, row: int, track: JobReads, now: float) -> None:
         """Make `row`'s plan over its unread files: at once for a small universe, else in a
-        worker thread (while `run` serves), installed by `_land` if still current."""
-        building = self._building.get(row)
-        if building is not None:
-            building.again = True  # a new epoch: plan again once this one lands
-            return
+        worker thread (while `run` serves), installed only if still current."""
+        self._renew.discard(row)
         track.grown = False
         self._planned_at[row] = now
         # Only what an open would take from staging and the RAM tier could keep: a file
@@ -327,9 +350,9 @@ class Speculator:
         # twice (and never taken when its blocks are on the SSD already).
         cache = self.cache
         limit = min(cache.ram_max, cache.handle_limit)
-        name = f"speculate:{cache.jobs.jobs[row].id}"
+        job = cache.jobs.jobs[row]
         seed = int(self.rng.integers(1 << 62))
-        snap = _Snapshot.of(name, track, limit, cache.cached_keys(), seed)
+        snap = _Snapshot.of(f"speculate:{job.id}", track, limit, cache.cached_keys(), seed, job)
         if self._nursery is None or len(track) <= self.offload_above:
             self._install(row, _build_plan(snap))
             return
@@ -344,9 +367,8 @@ class Speculator:
                 del self._building[row]
         track, now = building.track, time.monotonic()
         if self.tracks.get(row) is not track or track.epochs != building.epochs:
+            # `tend` plans the new epoch (or the row's new job) afresh.
             log.debug("job row %d: a plan built for an older epoch is dropped", row)
-            if building.again and self.tracks.get(row) is track:
-                self._plan(row, track, now)
             return
         pf = self.cache.prefetcher
         if pf is None or track.paused or any(not p.speculative for p in pf.plans.values()):
@@ -383,3 +405,4 @@ class Speculator:
         self._last_key.pop(row, None)
         self._planned_at.pop(row, None)
         self._spent.discard(row)
+        self._renew.discard(row)
