@@ -79,6 +79,7 @@ class Service:
         self._plan_epochs: dict[str, int] = {}  # a sweep group's plan name -> its epoch
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
+        block_size = max(opts.block_size, 4096)
         if opts.prefetch:
             window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
             prefetch = PrefetchSettings(window, opts.prefetch_workers, opts.prefetch_abandon)
@@ -96,6 +97,7 @@ class Service:
             jobs=JobTable(opts.job_idle),
             owns=self.sampling.owns_key,
             pending=self.sampling.pending,
+            block_size=block_size,
         )
         self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
         self._nursery: trio.Nursery | None = None
@@ -105,7 +107,7 @@ class Service:
         self.blocks = Blocks(
             self.cache,
             self.source,
-            block_size=max(opts.block_size, 4096),
+            block_size=block_size,
             window=window,
             passthrough_above=opts.passthrough_above,
         )

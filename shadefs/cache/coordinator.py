@@ -91,13 +91,15 @@ class Cache:
         jobs: JobTable | None = None,
         owns: Callable[[int], bool] | None = None,
         pending: PendingReads | None = None,
+        block_size: int = 0,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
         key's importance to `shade`, `pending` the reads the known orders still make (each
         job's open is one; policies keep such entries), `owns` a multi-node job's ownership.
         `ssd` is an SSD tier's store, whose restored entries get keys from `key_of_ino`.
         `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
-        RAM budget). `jobs` tells the readers' jobs apart."""
+        RAM budget). `jobs` tells the readers' jobs apart. `block_size`: that of the block
+        entries of large files (cache/blocks.py), which the SSD tier restores."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -129,7 +131,8 @@ class Cache:
         if ssd is not None:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
-            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino)
+            policy_of_ssd = self._make_policy(policy)
+            self.ssd = SsdTier(ssd, policy_of_ssd, key_of_ino, block_size=block_size)
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
