@@ -41,9 +41,10 @@ from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
+from shadefs.sampling.builds import resident_among
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
-from shadefs.sampling.registry import PathTable, Sampling, SamplingError, resident_among
+from shadefs.sampling.registry import PathTable, Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.source import Source

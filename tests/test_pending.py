@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from shadefs.cache.coordinator import Cache
-from shadefs.sampling import registry, wire
+from shadefs.sampling import builds, wire
 from shadefs.sampling.jobs import JobTable, ProcInfo
 from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.registry import Sampling, SamplingError
@@ -107,15 +107,15 @@ def test_orders_are_built_off_the_loop_once_and_only_for_the_current_dataset(
     s = Sampling()
     n = 50
     release = threading.Event()
-    builds: list[int] = []
-    build = registry._build
+    built: list[int] = []
+    build = builds.build
 
     def slow_build(*args: object) -> np.ndarray:
-        builds.append(1)
+        built.append(1)
         release.wait(10)  # until the event loop has done what the test does meanwhile
         return build(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(registry, "_build", slow_build)
+    monkeypatch.setattr(builds, "build", slow_build)
 
     async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(100, 100 + len(paths), dtype=np.uint64), np.full(len(paths), SIZE)
@@ -134,7 +134,7 @@ def test_orders_are_built_off_the_loop_once_and_only_for_the_current_dataset(
             await trio.testing.wait_all_tasks_blocked()
             assert s.describe().samples == n  # the loop answers while the order is built
             release.set()
-        assert len(builds) == 1 and sorted(np.concatenate(shares).tolist()) == list(range(n))
+        assert len(built) == 1 and sorted(np.concatenate(shares).tolist()) == list(range(n))
         # A dataset registered anew while an order is built: that order is not installed.
         release.clear()
 

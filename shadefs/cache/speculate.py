@@ -55,9 +55,9 @@ import trio
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
+from shadefs.sampling.builds import resident_among
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
 from shadefs.sampling.jobs import Job, JobTable
-from shadefs.sampling.registry import resident_among
 
 
 class Cache(Protocol):

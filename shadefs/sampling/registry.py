@@ -32,7 +32,7 @@ from typing import overload
 import numpy as np
 import trio
 
-from shadefs.sampling import pads, placement, wire
+from shadefs.sampling import builds, pads, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
 from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.wire_nodes import NodeOrder
@@ -108,61 +108,6 @@ class PathTable(Sequence[bytes]):
 def _order_key(request: wire.OrderRequest, group: str) -> tuple[str, int, int, int]:
     """(group, epoch, seed, world size): a group's order is whichever seed came first."""
     return (group, request.epoch, -1 if group else request.seed, request.world_size)
-
-
-def _build(scores: np.ndarray, resident: np.ndarray, params: pads.OrderParams) -> np.ndarray:
-    """A global order (in any thread: it reads only its arguments)."""
-    t0 = time.perf_counter()
-    full = pads.build_global_order(scores, resident, params)
-    log.debug(
-        "built the order of epoch %d (%d entries) in %.3f s",
-        params.epoch,
-        len(full),
-        time.perf_counter() - t0,
-    )
-    return full
-
-
-def _share_of(
-    full: np.ndarray, world_size: int, rank: int, n: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A rank's share of a global order and its reads per sample id over `n` ids (in any
-    thread: it reads only its arguments)."""
-    share = pads.rank_slice(full, world_size, rank)
-    return share, PendingReads.count(share, n)
-
-
-def _place(
-    scores: np.ndarray, replay: float, n: int, msg: NodeOrder
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """A multi-node epoch's (global order, owner of each sample, every rank's share), from
-    the message alone and `scores` (in any thread: it reads only its arguments)."""
-    order = msg.order
-    if not len(order):
-        params = pads.OrderParams(
-            epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=replay
-        )
-        union = np.any(msg.resident, axis=0)
-        order = pads.build_global_order(scores, np.asarray(union), params)
-    owner = placement.owners(msg.node_ids, n)
-    return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
-
-
-def resident_among(keys: np.ndarray, cached: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Which of `keys` (uint64) are among `cached` (every cached key as a list or an array,
-    blocks' negative ones too, which name no sample): in any thread."""
-    held = np.asarray(cached, dtype=np.int64)
-    return np.isin(keys, held[held >= 0].astype(np.uint64))
-
-
-def _build_over(
-    scores: np.ndarray,
-    keys: np.ndarray,
-    cached: Sequence[int] | np.ndarray,
-    params: pads.OrderParams,
-) -> np.ndarray:
-    """`_build` with the residency of `keys` among the `cached` keys (a worker thread)."""
-    return _build(scores, resident_among(keys, cached), params)
 
 
 class Sampling:
@@ -302,7 +247,7 @@ class Sampling:
         full = self._known(request, group)
         if full is None:
             params = self._params(request)
-            full = _build(self.table.scores, resident(self.keys), params)
+            full = builds.build(self.table.scores, resident(self.keys), params)
             self._keep(_order_key(request, group), full)
         return self._serve(request, full, job)
 
@@ -331,7 +276,7 @@ class Sampling:
         try:
             scores, keys, params = self.table.scores.copy(), self.keys, self._params(request)
             snapshot = cached()  # a copy: the thread must not read the live tiers
-            full = await trio.to_thread.run_sync(_build_over, scores, keys, snapshot, params)
+            full = await trio.to_thread.run_sync(builds.build_over, scores, keys, snapshot, params)
         finally:
             del self._building[key]
             done.set()
@@ -364,31 +309,34 @@ class Sampling:
         while len(self._orders) > _ORDERS_KEPT:
             self._orders.popitem(last=False)
 
-    def _serve(self, request: wire.OrderRequest, full: np.ndarray, job: int | None) -> np.ndarray:
+    def _serve(
+        self,
+        request: wire.OrderRequest,
+        full: np.ndarray,
+        job: int | None,
+        sliced: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """The rank's share of `full`, counted as `job`'s reads to come; `sliced`: the
+        share and its reads per sample, if `_serve_async` computed them."""
         self.orders_served += 1
         if (request.epoch, request.seed, request.world_size) in self._shares:
             return full  # a multi-node share, counted when it was installed
-        share = pads.rank_slice(full, request.world_size, request.rank)
-        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank))
+        share, counts = sliced or (pads.rank_slice(full, request.world_size, request.rank), None)
+        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank), counts)
         return share
 
     async def _serve_async(
         self, request: wire.OrderRequest, full: np.ndarray, job: int | None
     ) -> np.ndarray:
-        """`_serve`, with the rank's slice and its reads per sample (an epoch's worth of
-        fancy indexing and a bincount) computed in a worker thread."""
-        if (request.epoch, request.seed, request.world_size) in self._shares:
-            return self._serve(request, full, job)
-        generation = self._generation
-        share, counts = await trio.to_thread.run_sync(
-            _share_of, full, request.world_size, request.rank, len(self.pending.left)
-        )
-        if generation != self._generation:
-            raise SamplingError("the dataset was registered anew while its order was served")
-        self.orders_served += 1
-        where = (request.world_size, request.rank)
-        self.pending.expect(request.epoch, share, job, where, counts)
-        return share
+        """`_serve`, with the slice and its bincount (over an epoch) in a worker thread."""
+        generation, n = self._generation, len(self.pending.left)
+        if (request.epoch, request.seed, request.world_size) not in self._shares:
+            ws, rank = request.world_size, request.rank
+            sliced = await trio.to_thread.run_sync(builds.share_of, full, ws, rank, n)
+            if generation != self._generation:
+                raise SamplingError("the dataset was registered anew while its order was served")
+            return self._serve(request, full, job, sliced)
+        return self._serve(request, full, job)
 
     def install(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch: the global order (built here from the union of
@@ -397,7 +345,7 @@ class Sampling:
         in the caller's thread: the daemon uses `install_async`."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
-        return self._adopt(msg, *_place(self.table.scores, self.r, self.n, msg))
+        return self._adopt(msg, *builds.place(self.table.scores, self.r, self.n, msg))
 
     async def install_async(self, msg: NodeOrder) -> np.ndarray:
         """`install`, with the order, the ownership and the shares computed in a worker
@@ -406,7 +354,7 @@ class Sampling:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         generation = self._generation
         scores = self.table.scores.copy()
-        placed = await trio.to_thread.run_sync(_place, scores, self.r, self.n, msg)
+        placed = await trio.to_thread.run_sync(builds.place, scores, self.r, self.n, msg)
         if generation != self._generation:
             raise SamplingError("the dataset was registered anew while its shares were placed")
         return self._adopt(msg, *placed)
