@@ -226,10 +226,10 @@ def test_a_new_order_releases_what_the_old_one_did_not_read() -> None:
     _epoch(cache, source, [0, 1, 2])  # the job stops before its replays
     assert sorted(cache.entries) == [0, 1] and cache.describe().policy.kept == 2
     pending.expect(2, np.array([3]))  # the next epoch's order reads neither again
-    cache.begin_epoch(2)
-    assert cache.describe().policy.kept == 0
+    cache.begin_epoch(2)  # shade checks the kept entries again as admissions need room
     _epoch(cache, source, [3])
     assert 3 in cache.entries  # more important, and nothing is kept any more
+    assert cache.describe().policy.kept == 0
 
 
 @pytest.mark.parametrize("policy", ["shade", "epoch"])
