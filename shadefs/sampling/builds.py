@@ -43,9 +43,10 @@ def share_of(full: np.ndarray, world_size: int, rank: int, n: int) -> tuple[np.n
 
 def place(
     scores: np.ndarray, replay: float, n: int, msg: NodeOrder
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """A multi-node epoch's (global order, owner of each sample, every rank's share), from
-    the message alone and `scores` (in any thread: it reads only its arguments)."""
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray, np.ndarray]:
+    """A multi-node epoch's (global order, owner of each sample, every rank's share, the
+    shares of this node's ranks, their reads per sample id), from the message alone and
+    `scores` (in any thread: it reads only its arguments)."""
     order = msg.order
     if not len(order):
         params = pads.OrderParams(
@@ -54,7 +55,11 @@ def place(
         union = np.any(msg.resident, axis=0)
         order = pads.build_global_order(scores, np.asarray(union), params)
     owner = placement.owners(msg.node_ids, n)
-    return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+    shares = placement.locality_shares(order, msg.resident, msg.rank_node, owner)
+    nodes = msg.rank_node.tolist()
+    mine = [share for share, node in zip(shares, nodes, strict=True) if node == msg.me]
+    here = np.concatenate(mine) if mine else np.asarray(order[:0], dtype=np.int64)
+    return order, owner, shares, here, PendingReads.count(here, n)
 
 
 def resident_among(keys: np.ndarray, cached: Sequence[int] | np.ndarray) -> np.ndarray:

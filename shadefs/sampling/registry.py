@@ -360,18 +360,21 @@ class Sampling:
         return self._adopt(msg, *placed)
 
     def _adopt(
-        self, msg: NodeOrder, order: np.ndarray, owner: np.ndarray, shares: list[np.ndarray]
+        self,
+        msg: NodeOrder,
+        order: np.ndarray,
+        owner: np.ndarray,
+        shares: list[np.ndarray],
+        here: np.ndarray,
+        counts: np.ndarray,
     ) -> np.ndarray:
+        """Install a placed epoch; `here`: its reads on this node's ranks, `counts` theirs
+        per sample id (counted in the node's pending pool)."""
         self.begin_epoch(msg.epoch)
         self.partition = (owner, msg.me)
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
-        mine = [
-            share
-            for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
-            if node == msg.me
-        ]
-        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0], None)
+        self.pending.expect(msg.epoch, here, None, counts=counts)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)
