@@ -374,10 +374,21 @@ class Service:
             order = await self.sampling.install_async(msg)
         after = self.sampling.partition
         if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
-            for policy in (self.cache.policy, self.cache.ssd.policy if self.cache.ssd else None):
-                if isinstance(policy, Owned):
-                    policy.reclassify()
+            for tier in ("ram", "ssd"):
+                await self._reclassify(tier)
         return order
+
+    async def _reclassify(self, tier: str) -> None:
+        """Sort a tier's entries into owned and guests (`Owned`), computed over a snapshot
+        of its keys in a worker thread; the policy in force then takes the result."""
+        cache = self.cache
+        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
+        if not isinstance(policy, Owned):
+            return
+        guests = await self.sampling.unowned(list(policy.sizes))
+        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
+        if guests is not None and isinstance(policy, Owned):
+            policy.reclassify(guests)  # entries admitted meanwhile were sorted on insertion
 
 
 def _plan_of(

@@ -62,6 +62,23 @@ def place(
     return order, owner, shares, here, PendingReads.count(here, n)
 
 
+def unowned(
+    keys: list[int], sorted_keys: np.ndarray, sorted_ids: np.ndarray, owner: np.ndarray, me: int
+) -> list[int]:
+    """Those of `keys` (cached keys, in their order) that are samples another node owns
+    (sampling/placement.py; `sorted_keys`/`sorted_ids` map keys to sample ids): in any thread."""
+    held = np.asarray(keys, dtype=np.int64)
+    if not len(sorted_keys):
+        return []
+    look = np.where(held >= 0, held, 0).astype(np.uint64)  # block keys (< 0): no sample
+    pos = np.minimum(np.searchsorted(sorted_keys, look), len(sorted_keys) - 1)
+    sample = (held >= 0) & (sorted_keys[pos] == look)
+    other = np.zeros(len(held), dtype=bool)
+    other[sample] = owner[sorted_ids[pos[sample]]] != me
+    out: list[int] = held[other].tolist()
+    return out
+
+
 def resident_among(keys: np.ndarray, cached: Sequence[int] | np.ndarray) -> np.ndarray:
     """Which of `keys` (uint64) are among `cached` (every cached key as a list or an array,
     blocks' negative ones too, which name no sample): in any thread."""

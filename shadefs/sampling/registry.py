@@ -380,6 +380,17 @@ class Sampling:
             self._shares.popitem(last=False)
         return order
 
+    async def unowned(self, keys: list[int]) -> list[int] | None:
+        """Those of `keys` (in their order) that another node owns, computed in a worker
+        thread; None when the ownership changed meanwhile."""
+        partition = self.partition
+        if partition is None:
+            return []
+        owner, me = partition
+        sk, ids = self._sorted_keys, self._sorted_ids
+        found = await trio.to_thread.run_sync(builds.unowned, keys, sk, ids, owner, me)
+        return found if self.partition is partition else None
+
     def owns_key(self, key: int) -> bool:
         """Whether this node should cache key `key`: in a multi-node job, only the samples
         it owns (and files outside the dataset); otherwise everything."""
