@@ -11,8 +11,8 @@ loop timer running. Then, phase by phase, the worst delay of the timer:
 - epoch change: the first job announces epoch 1 and asks for its order;
 - replan: the speculator (cache/speculate.py) plans an unchanged job (a plain shuffled
   DataLoader: no announced order) over a universe of every registered file, in `dirs`
-  directories, then replans it as the universe grows (a directory joins), its REPLAN
-  period apart; the job's first reads of each directory (the universe's growth, the
+  directories, then replans it twice as the universe grows (a directory joins), each
+  waited for; the job's first reads of each directory (the universe's growth, the
   epoch tracker's work) come before the phase and print as "universe growth";
 - reads: 20,000 opens of resident files by the two jobs (the hit path, for scale).
 
@@ -168,13 +168,20 @@ async def bench(args: argparse.Namespace, src: Path, steps: Steps) -> None:
             spec.sync()
 
         async def replan() -> None:
+            # The first plan, then two replans, each waited for (in or off the loop).
+            async def keep_reading() -> None:  # else the job is idle and its plan dropped
+                for i in range(3, per_dir):
+                    reader.reads.append(int(keys[i]))
+                    await trio.sleep(0.05)
+
             async with trio.open_nursery() as inner:
                 inner.start_soon(spec.run)
-                for d in range(2):
-                    await trio.sleep(speculate.REPLAN * 1.5)
-                    reader.reads.append(int(keys[d * per_dir + 2]))  # still reading
-                    spec.tracks[reader.row].grown = True  # as if a directory joined
-                await trio.sleep(speculate.REPLAN * 1.5)
+                inner.start_soon(keep_reading)
+                with trio.fail_after(120):
+                    for d in range(3):
+                        while spec.plans_made <= d:
+                            await trio.sleep(0.01)
+                        spec.tracks[reader.row].grown = True  # as if a directory joined
                 inner.cancel_scope.cancel()
             plan = spec.plans.get(reader.row)
             print(f"  {spec.plans_made} plans made, the last of {len(plan) if plan else 0} files")
