@@ -41,9 +41,10 @@ from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
+from shadefs.sampling.builds import resident_among
 from shadefs.sampling.epochs import Listing
 from shadefs.sampling.jobs import JobTable
-from shadefs.sampling.registry import Sampling, SamplingError
+from shadefs.sampling.registry import PathTable, Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.source import Source
@@ -79,6 +80,7 @@ class Service:
         self._plan_epochs: dict[str, int] = {}  # a sweep group's plan name -> its epoch
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
+        block_size = max(opts.block_size, 4096)
         if opts.prefetch:
             window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
             prefetch = PrefetchSettings(window, opts.prefetch_workers, opts.prefetch_abandon)
@@ -96,6 +98,7 @@ class Service:
             jobs=JobTable(opts.job_idle),
             owns=self.sampling.owns_key,
             pending=self.sampling.pending,
+            block_size=block_size,
         )
         self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
         self._nursery: trio.Nursery | None = None
@@ -105,7 +108,7 @@ class Service:
         self.blocks = Blocks(
             self.cache,
             self.source,
-            block_size=max(opts.block_size, 4096),
+            block_size=block_size,
             window=window,
             passthrough_above=opts.passthrough_above,
         )
@@ -333,7 +336,7 @@ class Service:
         group = self.cache.jobs.group_of(pid) if pid > 0 else ""
         with _refusing():
             share = await self.sampling.order_async(
-                request, self._cached_keys, group, self._job_row(pid)
+                request, self.cache.cached_keys, group, self._job_row(pid)
             )
         members = self.cache.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
@@ -349,20 +352,21 @@ class Service:
                 plan.readers = members
                 return share
             self._plan_epochs[name] = request.epoch
-            # Sorting a plan of a whole epoch takes long: a worker thread does it.
-            keys, paths, sizes = s.keys[share], s.paths.take(share), s.sizes[share]
-            plan = await trio.to_thread.run_sync(Plan, name, keys, paths, sizes)
+            # Gathering and sorting a plan of a whole epoch takes long: a worker thread
+            # does it, over the registered arrays (a registration replaces, never mutates).
+            plan = await trio.to_thread.run_sync(_plan_of, name, s.keys, s.paths, s.sizes, share)
             if self._plan_epochs.get(name) != request.epoch:
                 return share  # a later epoch's plan was installed meanwhile
             plan.readers = members
             self.prefetcher.add_plan(plan)
         return share
 
-    def resident_bitmap(self, n: int) -> np.ndarray:
+    async def resident_bitmap(self, n: int) -> np.ndarray:
         s = self.sampling
         if n != s.n:
             raise Rejected(f"residency asked for {n} samples, but {s.n} are registered")
-        return self._resident(s.keys)
+        # A set test over every sample: over snapshots, in a worker thread.
+        return await trio.to_thread.run_sync(resident_among, s.keys, self.cache.cached_keys())
 
     async def install_order(self, msg: NodeOrder) -> np.ndarray:
         before = self.sampling.partition
@@ -370,18 +374,29 @@ class Service:
             order = await self.sampling.install_async(msg)
         after = self.sampling.partition
         if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
-            for policy in (self.cache.policy, self.cache.ssd.policy if self.cache.ssd else None):
-                if isinstance(policy, Owned):
-                    policy.reclassify()
+            for tier in ("ram", "ssd"):
+                await self._reclassify(tier)
         return order
 
-    def _cached_keys(self) -> list[int]:
-        """Every key in any tier (blocks' negative ones too): a list copies at C speed."""
-        ssd = self.cache.ssd
-        return list(self.cache.entries) + (list(ssd.index) if ssd is not None else [])
+    async def _reclassify(self, tier: str) -> None:
+        """Sort a tier's entries into owned and guests (`Owned`), computed over a snapshot
+        of its keys in a worker thread; the policy in force then takes the result."""
+        cache = self.cache
+        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
+        if not isinstance(policy, Owned):
+            return
+        guests = await self.sampling.unowned(list(policy.sizes))
+        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
+        if guests is not None and isinstance(policy, Owned):
+            policy.reclassify(guests)  # entries admitted meanwhile were sorted on insertion
 
-    def _resident(self, keys: np.ndarray) -> np.ndarray:
-        return np.isin(keys, self.cache.resident_keys())
+
+def _plan_of(
+    name: str, keys: np.ndarray, paths: PathTable, sizes: np.ndarray, share: np.ndarray
+) -> Plan:
+    """The prefetch plan of a rank's `share` (sample ids) of the registered dataset (in any
+    thread: it reads only its arguments)."""
+    return Plan(name, keys[share], paths.take(share), sizes[share])
 
 
 @contextlib.contextmanager

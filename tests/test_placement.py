@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from shadefs.cache.policies import EpochPolicy, Owned, ShadePolicy, make_policy
-from shadefs.sampling import pads, placement, registry, wire_nodes
+from shadefs.sampling import builds, pads, placement, wire_nodes
 from shadefs.sampling.importance import ImportanceTable
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import (
@@ -218,13 +218,13 @@ def test_install_async_places_off_the_loop_and_only_for_the_same_dataset(
     order = trio.run(s.install_async, msg)
     assert sorted(order.tolist()) == list(range(n)) and s.partition is not None
     release = threading.Event()
-    place = registry._place
+    place = builds.place
 
     def slow_place(*args: Any) -> Any:
         release.wait(10)  # until the loop has registered another dataset
         return place(*args)
 
-    monkeypatch.setattr(registry, "_place", slow_place)
+    monkeypatch.setattr(builds, "place", slow_place)
 
     async def registered_meanwhile() -> None:
         async def install() -> None:

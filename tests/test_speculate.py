@@ -196,7 +196,7 @@ def test_a_plans_paths_survive_the_universe_growing() -> None:
     a, b = FakeListing(b"a", [5, 6, 7]), FakeListing(b"b", [1, 2])
     reads = JobReads()
     reads.absorb(np.array([5], dtype=np.uint64), _listings(a, b))
-    plan = SpecPlan("s", reads, reads.unread())
+    plan = SpecPlan.over("s", reads, reads.unread())
     reads.absorb(np.array([1], dtype=np.uint64), _listings(a, b))  # re-sorts the universe
     assert [plan.paths[i] for i in range(len(plan))] == [b"p%d" % k for k in plan.keys]
 

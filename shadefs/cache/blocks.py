@@ -131,9 +131,6 @@ class Blocks:
         self.ssd_loads = 0
         self.source_loads = 0
         self.read_ahead = self.revalidated = self.opens = 0
-        cache.blocks_cached = True
-        if cache.ssd is not None:
-            cache.ssd.block_size = block_size
 
     def start(self, nursery: trio.Nursery) -> None:
         """Read-ahead tasks run in `nursery` (without it, there is no read-ahead)."""

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
 import trio
 
 from shadefs.cache.block_keys import by_file
@@ -92,13 +91,15 @@ class Cache:
         jobs: JobTable | None = None,
         owns: Callable[[int], bool] | None = None,
         pending: PendingReads | None = None,
+        block_size: int = 0,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
         key's importance to `shade`, `pending` the reads the known orders still make (each
         job's open is one; policies keep such entries), `owns` a multi-node job's ownership.
         `ssd` is an SSD tier's store, whose restored entries get keys from `key_of_ino`.
         `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
-        RAM budget). `jobs` tells the readers' jobs apart."""
+        RAM budget). `jobs` tells the readers' jobs apart. `block_size`: that of the block
+        entries of large files (cache/blocks.py), which the SSD tier restores."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -121,7 +122,6 @@ class Cache:
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
-        self.blocks_cached = False  # set by cache/blocks.py: entries may hold block keys
         self.prefetcher = (
             Prefetcher.with_settings(prefetch, self.fetch_ahead, self.tier_of) if prefetch else None
         )
@@ -131,7 +131,8 @@ class Cache:
         if ssd is not None:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
-            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino)
+            policy_of_ssd = self._make_policy(policy)
+            self.ssd = SsdTier(ssd, policy_of_ssd, key_of_ino, block_size=block_size)
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -414,15 +415,12 @@ class Cache:
             return 1
         return 2 if self.ssd is not None and key in self.ssd.index else 0
 
-    def resident_keys(self) -> np.ndarray:
-        """Every cached key in any tier, as uint64 (the order builder's resident set)."""
-        keys: Set[int] = self.entries.keys()
-        if self.ssd is not None:
-            keys = keys | self.ssd.index.keys()
-        if self.blocks_cached:
-            # Block keys are negative and name no sample: files only.
-            keys = {k for k in keys if k >= 0}
-        return np.fromiter(keys, dtype=np.uint64, count=len(keys))
+    def cached_keys(self) -> list[int]:
+        """Every key in any tier (blocks' negative ones too), as a list: a copy at C speed
+        that a worker thread may read, where a set union of the tiers' keys would stall the
+        event loop at 1.28 M files (sampling/registry.py's `resident_among` reads it)."""
+        ssd = self.ssd
+        return list(self.entries) + (list(ssd.index) if ssd is not None else [])
 
     async def evict(self, key: int) -> bool:
         """Drop `key` from every tier; False if it was not cached."""

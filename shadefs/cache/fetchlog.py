@@ -70,7 +70,10 @@ class FetchLog:
             log.debug("key %d fetched again this epoch", key)
             return True
         if self._n == _PENDING:
-            self._sorted = np.union1d(self._sorted, self._pending)
+            # Merge the small sorted batch in (O(n) copies): a union1d re-sorted every key
+            # noted, 0.1 s and more of the event loop every 512 fetches at 1.28 M files.
+            batch = np.sort(self._pending)  # distinct: a key noted twice is a refetch
+            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, batch), batch)
             self._n = 0
         self._pending[self._n] = key
         self._n += 1

@@ -106,6 +106,10 @@ class Plan:
         self.last_progress = now
         return True
 
+    def consumed(self, pos: int) -> bool:
+        """Whether the read at position `pos` has been seen (the prefetcher skips it)."""
+        return bool(self._consumed[pos])
+
     def next_use(self, key: int) -> float:
         """Reads until `key` is needed again by this plan's reader (inf if never)."""
         occ = self._occurrences(key)

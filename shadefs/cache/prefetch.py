@@ -122,9 +122,6 @@ class Prefetcher:
         self._replay_bytes = 0
         self._inflight_bytes = 0
         self._wake = trio.Event()
-        # Called before each scheduling round and before a fetched file is staged, so that
-        # the reads a plan's owner logs lazily (speculation) are seen first.
-        self.before_round: Callable[[], None] | None = None
         self.latency = 0.01  # seconds per fetch, EWMA
         self.fetched = 0
         self.fetched_bytes = 0
@@ -265,7 +262,7 @@ class Prefetcher:
                         continue
                     break  # window full for now: try the next plan
                 plan.frontier += 1
-                if plan._consumed[pos]:
+                if plan.consumed(pos):
                     # Its reader already opened it (workers read ahead of the cursor): a
                     # fetch now would bring the same bytes over the link a second time.
                     continue
@@ -286,8 +283,6 @@ class Prefetcher:
                 with trio.move_on_after(0.5):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                if self.before_round is not None:
-                    self.before_round()
                 self._expire()
                 while len(self._inflight) < self.target_workers():
                     item = self._next_item()
@@ -318,8 +313,8 @@ class Prefetcher:
         self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
         self.fetched += 1
         self.fetched_bytes += len(data)
-        if self.before_round is not None:
-            self.before_round()  # the readers' latest opens, before deciding to stage
+        # A plan knows the reads it has not taken in yet (a speculative plan's job's log):
+        # `_planned` asks the plans, never their planner, so a fetch re-enters no planner.
         if key in self.staged or self._tier_of(key) or not self._planned(key):
             # Its reader opened it meanwhile and shared the flight: nothing to stage.
             return

@@ -15,8 +15,10 @@ from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
 Rules that keep it from ever slowing a job down:
 
 - a file the job read this epoch is never staged: the plan's entries are marked consumed as
-  the job's reads are taken in (`sync`, also called by the prefetcher before each round
-  and before it stages a fetched file), and the prefetcher skips consumed entries;
+  the job's reads are taken in (`sync`), the plan also counts the reads its job logged
+  since (it holds the job's read log: `consumed`, `next_use`), and the prefetcher skips
+  consumed entries and stages only what some plan still reads. So the prefetcher never
+  calls the speculator, and a finished fetch never re-enters a planner;
 - the plan is dropped when the job's reads stop (`idle` seconds without one), when its
   epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
@@ -29,14 +31,23 @@ A new epoch (the job has read NEW_EPOCH of its files and reads one again) replac
 by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
 epoch began (cache/fetchlog.py). Also in the first, cold epoch: the universe is then the
 directories the job has read from so far, so staging starts after its first reads.
+
+A plan over a large universe (ImageNet: 1.28 M files) takes a sort and a set test over every
+unread file, 0.1-0.3 s: while `run` serves, it is built in a worker thread (`_build_plan`)
+over snapshots (the unread indexes, the universe's arrays, which a growing universe replaces
+rather than mutates, and a list of the cached keys), at most one per job at a time. Its
+result is installed only if still current: the same job's track, no epoch begun since, no
+known order started, and the reads taken in meanwhile are consumed from it first.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol, overload
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol, overload
 
 import numpy as np
 import trio
@@ -44,8 +55,9 @@ import trio
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
+from shadefs.sampling.builds import resident_among
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
-from shadefs.sampling.jobs import JobTable
+from shadefs.sampling.jobs import Job, JobTable
 
 
 class Cache(Protocol):
@@ -62,7 +74,7 @@ class Cache(Protocol):
     def ram_max(self) -> int: ...
     @property
     def handle_limit(self) -> int: ...
-    def resident_keys(self) -> np.ndarray: ...
+    def cached_keys(self) -> list[int]: ...
 
 
 log = logging.getLogger(__name__)
@@ -70,6 +82,9 @@ log = logging.getLogger(__name__)
 PERIOD = 0.05  # seconds between takes of the jobs' reads
 IDLE = 1.0  # seconds without a read after which a job's plan is dropped
 REPLAN = 0.25  # seconds between rebuilds of a plan whose universe grew
+# Universe sizes above which `run` builds a plan in a worker thread (a smaller one costs
+# less than the thread hop, ~0.1 ms).
+OFFLOAD_ABOVE = 1 << 16
 
 
 class _Paths(Sequence[bytes]):
@@ -105,9 +120,31 @@ class SpecPlan(Plan):
 
     speculative = True
 
-    def __init__(self, name: str, reads: JobReads, index: np.ndarray) -> None:
-        paths = _Paths(reads.listings, reads.where[index])
-        super().__init__(name, reads.keys[index], paths, reads.sizes[index])
+    def __init__(
+        self,
+        name: str,
+        keys: np.ndarray,
+        paths: Sequence[bytes],
+        sizes: np.ndarray,
+        unseen: Sequence[int] = (),
+    ) -> None:
+        """`unseen`: the job's log of reads not taken in yet (sampling/jobs.py's Job.reads,
+        which `Speculator.sync` empties): they count as read before `consume` sees them."""
+        super().__init__(name, keys, paths, sizes)
+        self.unseen = unseen
+
+    @classmethod
+    def over(cls, name: str, reads: JobReads, index: np.ndarray) -> SpecPlan:
+        """The plan of universe entries `index` of `reads`, in that order."""
+        paths = _Paths(list(reads.listings), reads.where[index])
+        return cls(name, reads.keys[index], paths, reads.sizes[index])
+
+    def consumed(self, pos: int) -> bool:
+        # A scan of the reads logged since the last sync: at most PERIOD's worth.
+        return bool(self._consumed[pos]) or int(self.keys[pos]) in self.unseen
+
+    def next_use(self, key: int) -> float:
+        return math.inf if key in self.unseen else super().next_use(key)
 
     def observe(self, key: int, now: float) -> bool:
         return False  # `consume` takes the job's reads in batches instead
@@ -139,6 +176,55 @@ class SpecPlan(Plan):
     _rate_reads = 0
 
 
+class _Snapshot(NamedTuple):
+    """What a plan is built from: a job's universe as it was, and what to leave out."""
+
+    name: str
+    keys: np.ndarray  # the universe's arrays (a growing universe replaces, never mutates them)
+    sizes: np.ndarray
+    where: np.ndarray
+    listings: list[Listing]
+    unread: np.ndarray  # the unread entries
+    limit: int  # the largest file worth staging
+    cached: list[int]  # every cached key (blocks' negative ones too)
+    seed: int
+    unseen: Sequence[int]  # the job's read log (SpecPlan's)
+
+    @classmethod
+    def of(
+        cls, name: str, reads: JobReads, limit: int, cached: list[int], seed: int, log: Job
+    ) -> _Snapshot:
+        return cls(
+            name, reads.keys, reads.sizes, reads.where, list(reads.listings),
+            reads.unread(), limit, cached, seed, log.reads,
+        )  # fmt: skip
+
+
+def _build_plan(snap: _Snapshot) -> SpecPlan | None:
+    """A plan over the unread universe entries of `snap` that are at most `limit` bytes and
+    not cached, in a random order; None when none is left. It reads only `snap`, so it may
+    run in a worker thread."""
+    keys, sizes, where, index = snap.keys, snap.sizes, snap.where, snap.unread
+    limit, cached, listings = snap.limit, snap.cached, snap.listings
+    index = index[sizes[index] <= limit]
+    if len(index):
+        index = index[~resident_among(keys[index], cached)]
+    if not len(index):
+        return None
+    index = np.random.default_rng(snap.seed).permutation(index)
+    paths = _Paths(listings, where[index])
+    return SpecPlan(snap.name, keys[index], paths, sizes[index], snap.unseen)
+
+
+@dataclass
+class _Build:
+    """A plan being built off the loop for one job: what makes its result current."""
+
+    track: JobReads
+    epochs: int  # the track's epochs when it began
+    caught: list[np.ndarray] = field(default_factory=list)  # reads taken in since
+
+
 class Speculator:
     """Takes in every job's reads, tracks its epochs, and keeps its speculative plan."""
 
@@ -150,6 +236,7 @@ class Speculator:
         enabled: bool = True,
         idle: float = IDLE,
         seed: int | None = None,
+        offload_above: int = OFFLOAD_ABOVE,
     ) -> None:
         self.cache = cache
         self.listing_of = listing_of
@@ -163,19 +250,28 @@ class Speculator:
         self._planned_at: dict[int, float] = {}
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
+        self.offload_above = offload_above
+        self._nursery: trio.Nursery | None = None  # while `run` runs: builds go off the loop
+        self._building: dict[int, _Build] = {}  # job row -> its plan in the making
+        self._renew: set[int] = set()  # rows whose new epoch wants a fresh plan (`tend`)
         cache.fetchlog.sync = self.sync
-        if self.enabled and cache.prefetcher is not None:
-            cache.prefetcher.before_round = self.sync
 
     async def run(self) -> None:
         """Take the reads in and keep the plans, until cancelled (unmount)."""
-        while True:
-            await trio.sleep(PERIOD)
-            self.sync()
-            self.tend(time.monotonic())
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                while True:
+                    await trio.sleep(PERIOD)
+                    self.sync()
+                    self.tend(time.monotonic())
+        finally:
+            self._nursery = None
+            self._building.clear()
 
     def sync(self) -> None:
-        """Take in every job's logged reads (the prefetcher calls this before each round)."""
+        """Take in every job's logged reads. It plans nothing (`tend` does): the fetch log
+        calls it on a refetch, and a finished fetch must not re-enter the planning."""
         now = time.monotonic()
         jobs = self.cache.jobs.jobs
         for row in [r for r, t in self.tracks.items() if r not in jobs or jobs[r].id != t.job]:
@@ -194,14 +290,16 @@ class Speculator:
             if not len(keys):
                 continue
             began = track.absorb(keys, self.listing_of)
+            building = self._building.get(row)
+            if building is not None:
+                building.caught.append(keys)  # consumed from its plan once it lands
             if began:
                 self.cache.fetchlog.new_epoch()
                 log.debug("job %s: epoch %d begins", job.id, track.epochs)
                 self._spent.discard(row)
-                if row in self.plans:
-                    # A fresh plan over the new epoch's unread files; what is staged stays
-                    # (it is unread in this epoch too).
-                    self._plan(row, track, now)
+                # A fresh plan over the new epoch's unread files (`tend`); what is staged
+                # stays (it is unread in this epoch too).
+                self._renew.add(row)
             plan = self.plans.get(row)
             if plan is not None:
                 plan.consume(keys, now)
@@ -231,34 +329,62 @@ class Speculator:
                 # The prefetcher ended it (all of it read, or abandoned): start afresh.
                 del self.plans[row]
                 plan = None
+            if row in self._building:
+                continue  # one plan in the making per job; it is checked when it lands
             if track.grown:
                 self._spent.discard(row)
             stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
-            if (plan is None and row not in self._spent) or stale:
+            renew = row in self._renew
+            if (plan is None and row not in self._spent) or stale or renew:
                 self._plan(row, track, now)
 
     def _plan(self, row: int, track: JobReads, now: float) -> None:
-        pf = self.cache.prefetcher
-        assert pf is not None
+        """Make `row`'s plan over its unread files: at once for a small universe, else in a
+        worker thread (while `run` serves), installed only if still current."""
+        self._renew.discard(row)
         track.grown = False
         self._planned_at[row] = now
-        index = track.unread()
         # Only what an open would take from staging and the RAM tier could keep: a file
         # above that is read in blocks (a block at a time, to RAM or SSD), through, or
         # whole while open handles leave room; a staged copy of it is mostly fetched
         # twice (and never taken when its blocks are on the SSD already).
         cache = self.cache
-        index = index[track.sizes[index] <= min(cache.ram_max, cache.handle_limit)]
-        if len(index):
-            cached = np.isin(track.keys[index], self.cache.resident_keys())
-            index = index[~cached]
-        if not len(index):
+        limit = min(cache.ram_max, cache.handle_limit)
+        job = cache.jobs.jobs[row]
+        seed = int(self.rng.integers(1 << 62))
+        snap = _Snapshot.of(f"speculate:{job.id}", track, limit, cache.cached_keys(), seed, job)
+        if self._nursery is None or len(track) <= self.offload_above:
+            self._install(row, _build_plan(snap))
+            return
+        building = self._building[row] = _Build(track, track.epochs)
+        self._nursery.start_soon(self._build_off_loop, row, building, snap)
+
+    async def _build_off_loop(self, row: int, building: _Build, snap: _Snapshot) -> None:
+        try:
+            plan = await trio.to_thread.run_sync(_build_plan, snap)
+        finally:
+            if self._building.get(row) is building:
+                del self._building[row]
+        track, now = building.track, time.monotonic()
+        if self.tracks.get(row) is not track or track.epochs != building.epochs:
+            # `tend` plans the new epoch (or the row's new job) afresh.
+            log.debug("job row %d: a plan built for an older epoch is dropped", row)
+            return
+        pf = self.cache.prefetcher
+        if pf is None or track.paused or any(not p.speculative for p in pf.plans.values()):
+            return  # it must not run now: `tend` plans again when it may
+        if plan is not None:
+            for keys in building.caught:
+                plan.consume(keys, now)  # the job's reads while it was built
+        self._install(row, plan)
+
+    def _install(self, row: int, plan: SpecPlan | None) -> None:
+        pf = self.cache.prefetcher
+        assert pf is not None
+        if plan is None:
             self._drop(row)
             self._spent.add(row)
             return
-        index = self.rng.permutation(index)
-        job = self.cache.jobs.jobs[row]
-        plan = SpecPlan(f"speculate:{job.id}", track, index)
         old = self.plans.get(row)
         if old is not None:
             plan.rate = old.rate  # the job's pace carries over a rebuild
@@ -279,3 +405,4 @@ class Speculator:
         self._last_key.pop(row, None)
         self._planned_at.pop(row, None)
         self._spent.discard(row)
+        self._renew.discard(row)

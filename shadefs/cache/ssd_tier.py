@@ -68,6 +68,7 @@ class SsdTier:
         *,
         max_entry: int | None = None,
         queue: int = 256,
+        block_size: int = 0,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -92,8 +93,8 @@ class SsdTier:
         self._reserved = 0
         self._wake_evictor = trio.Event()
         self._limiter = trio.CapacityLimiter(16)
-        # The block size of block entries (cache/blocks.py sets it; 0: none are restored).
-        self.block_size = 0
+        # The block size of block entries (cache/blocks.py's; 0: none are restored).
+        self.block_size = block_size
         # The cache directory was deleted under the daemon: nothing is looked up or written.
         self.lost = False
 

@@ -89,7 +89,7 @@ class Channel:
             return None
         if message.startswith(wire_nodes.MAGIC_RESIDENT_REQUEST):
             n = wire_nodes.decode_resident_request(message)
-            handle.data = wire_nodes.encode_resident(self.service.resident_bitmap(n))
+            handle.data = wire_nodes.encode_resident(await self.service.resident_bitmap(n))
             return None
         if message.startswith(wire_nodes.MAGIC_NODE_ORDER):
             msg = wire_nodes.decode_node_order(message, self.service.dataset_info().samples)

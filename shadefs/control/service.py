@@ -150,7 +150,7 @@ class ControlService(Protocol):
         shares one order per epoch)."""
         ...
 
-    def resident_bitmap(self, n: int) -> np.ndarray:
+    async def resident_bitmap(self, n: int) -> np.ndarray:
         """bool[n]: which registered samples this node holds (Rejected unless n samples
         are registered)."""
         ...

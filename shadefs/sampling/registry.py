@@ -32,7 +32,7 @@ from typing import overload
 import numpy as np
 import trio
 
-from shadefs.sampling import pads, placement, wire
+from shadefs.sampling import builds, pads, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
 from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.wire_nodes import NodeOrder
@@ -108,46 +108,6 @@ class PathTable(Sequence[bytes]):
 def _order_key(request: wire.OrderRequest, group: str) -> tuple[str, int, int, int]:
     """(group, epoch, seed, world size): a group's order is whichever seed came first."""
     return (group, request.epoch, -1 if group else request.seed, request.world_size)
-
-
-def _build(scores: np.ndarray, resident: np.ndarray, params: pads.OrderParams) -> np.ndarray:
-    """A global order (in any thread: it reads only its arguments)."""
-    t0 = time.perf_counter()
-    full = pads.build_global_order(scores, resident, params)
-    log.debug(
-        "built the order of epoch %d (%d entries) in %.3f s",
-        params.epoch,
-        len(full),
-        time.perf_counter() - t0,
-    )
-    return full
-
-
-def _place(
-    scores: np.ndarray, replay: float, n: int, msg: NodeOrder
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """A multi-node epoch's (global order, owner of each sample, every rank's share), from
-    the message alone and `scores` (in any thread: it reads only its arguments)."""
-    order = msg.order
-    if not len(order):
-        params = pads.OrderParams(
-            epoch=msg.epoch, seed=msg.seed, world_size=msg.world_size, rank=0, replay=replay
-        )
-        union = np.any(msg.resident, axis=0)
-        order = pads.build_global_order(scores, np.asarray(union), params)
-    owner = placement.owners(msg.node_ids, n)
-    return order, owner, placement.locality_shares(order, msg.resident, msg.rank_node, owner)
-
-
-def _build_over(
-    scores: np.ndarray,
-    keys: np.ndarray,
-    cached: Sequence[int] | np.ndarray,
-    params: pads.OrderParams,
-) -> np.ndarray:
-    """`_build` with the residency of `keys` among the `cached` keys (a worker thread)."""
-    held = np.asarray(cached, dtype=np.int64)
-    return _build(scores, np.isin(keys, held[held >= 0].astype(np.uint64)), params)
 
 
 class Sampling:
@@ -287,7 +247,7 @@ class Sampling:
         full = self._known(request, group)
         if full is None:
             params = self._params(request)
-            full = _build(self.table.scores, resident(self.keys), params)
+            full = builds.build(self.table.scores, resident(self.keys), params)
             self._keep(_order_key(request, group), full)
         return self._serve(request, full, job)
 
@@ -305,7 +265,7 @@ class Sampling:
         it was built for."""
         full = self._known(request, group)
         if full is not None:
-            return self._serve(request, full, job)
+            return await self._serve_async(request, full, job)
         key = _order_key(request, group)
         building = self._building.get(key)
         if building is not None:
@@ -316,14 +276,14 @@ class Sampling:
         try:
             scores, keys, params = self.table.scores.copy(), self.keys, self._params(request)
             snapshot = cached()  # a copy: the thread must not read the live tiers
-            full = await trio.to_thread.run_sync(_build_over, scores, keys, snapshot, params)
+            full = await trio.to_thread.run_sync(builds.build_over, scores, keys, snapshot, params)
         finally:
             del self._building[key]
             done.set()
         if generation != self._generation:
             raise SamplingError("the dataset was registered anew while its order was built")
         self._keep(key, full)
-        return self._serve(request, full, job)
+        return await self._serve_async(request, full, job)
 
     def _known(self, request: wire.OrderRequest, group: str) -> np.ndarray | None:
         """The epoch's order if it is built (a multi-node job's shares: the rank's share)."""
@@ -349,13 +309,34 @@ class Sampling:
         while len(self._orders) > _ORDERS_KEPT:
             self._orders.popitem(last=False)
 
-    def _serve(self, request: wire.OrderRequest, full: np.ndarray, job: int | None) -> np.ndarray:
+    def _serve(
+        self,
+        request: wire.OrderRequest,
+        full: np.ndarray,
+        job: int | None,
+        sliced: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """The rank's share of `full`, counted as `job`'s reads to come; `sliced`: the
+        share and its reads per sample, if `_serve_async` computed them."""
         self.orders_served += 1
         if (request.epoch, request.seed, request.world_size) in self._shares:
             return full  # a multi-node share, counted when it was installed
-        share = pads.rank_slice(full, request.world_size, request.rank)
-        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank))
+        share, counts = sliced or (pads.rank_slice(full, request.world_size, request.rank), None)
+        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank), counts)
         return share
+
+    async def _serve_async(
+        self, request: wire.OrderRequest, full: np.ndarray, job: int | None
+    ) -> np.ndarray:
+        """`_serve`, with the slice and its bincount (over an epoch) in a worker thread."""
+        generation, n = self._generation, len(self.pending.left)
+        if (request.epoch, request.seed, request.world_size) not in self._shares:
+            ws, rank = request.world_size, request.rank
+            sliced = await trio.to_thread.run_sync(builds.share_of, full, ws, rank, n)
+            if generation != self._generation:
+                raise SamplingError("the dataset was registered anew while its order was served")
+            return self._serve(request, full, job, sliced)
+        return self._serve(request, full, job)
 
     def install(self, msg: NodeOrder) -> np.ndarray:
         """Adopt a multi-node job's epoch: the global order (built here from the union of
@@ -364,7 +345,7 @@ class Sampling:
         in the caller's thread: the daemon uses `install_async`."""
         if not self.n:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
-        return self._adopt(msg, *_place(self.table.scores, self.r, self.n, msg))
+        return self._adopt(msg, *builds.place(self.table.scores, self.r, self.n, msg))
 
     async def install_async(self, msg: NodeOrder) -> np.ndarray:
         """`install`, with the order, the ownership and the shares computed in a worker
@@ -373,28 +354,42 @@ class Sampling:
             raise SamplingError("no dataset registered: write .shadefs/dataset first")
         generation = self._generation
         scores = self.table.scores.copy()
-        placed = await trio.to_thread.run_sync(_place, scores, self.r, self.n, msg)
+        placed = await trio.to_thread.run_sync(builds.place, scores, self.r, self.n, msg)
         if generation != self._generation:
             raise SamplingError("the dataset was registered anew while its shares were placed")
         return self._adopt(msg, *placed)
 
     def _adopt(
-        self, msg: NodeOrder, order: np.ndarray, owner: np.ndarray, shares: list[np.ndarray]
+        self,
+        msg: NodeOrder,
+        order: np.ndarray,
+        owner: np.ndarray,
+        shares: list[np.ndarray],
+        here: np.ndarray,
+        counts: np.ndarray,
     ) -> np.ndarray:
+        """Install a placed epoch; `here`: its reads on this node's ranks, `counts` theirs
+        per sample id (counted in the node's pending pool)."""
         self.begin_epoch(msg.epoch)
         self.partition = (owner, msg.me)
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
-        mine = [
-            share
-            for share, node in zip(shares, msg.rank_node.tolist(), strict=True)
-            if node == msg.me
-        ]
-        self.pending.expect(msg.epoch, np.concatenate(mine) if mine else order[:0], None)
+        self.pending.expect(msg.epoch, here, None, counts=counts)
         self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
         while len(self._shares) > _SHARES_KEPT:
             self._shares.popitem(last=False)
         return order
+
+    async def unowned(self, keys: list[int]) -> list[int] | None:
+        """Those of `keys` (in their order) that another node owns, computed in a worker
+        thread; None when the ownership changed meanwhile."""
+        partition = self.partition
+        if partition is None:
+            return []
+        owner, me = partition
+        sk, ids = self._sorted_keys, self._sorted_ids
+        found = await trio.to_thread.run_sync(builds.unowned, keys, sk, ids, owner, me)
+        return found if self.partition is partition else None
 
     def owns_key(self, key: int) -> bool:
         """Whether this node should cache key `key`: in a multi-node job, only the samples

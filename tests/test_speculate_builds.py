@@ -1,0 +1,121 @@
+"""Speculative plans built off the event loop: one per job at a time, installed only if current,
+and plans that count their job's latest reads without the prefetcher calling the speculator."""
+
+from __future__ import annotations
+
+import math
+import threading
+from array import array
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from shadefs.cache import speculate
+from shadefs.cache.speculate import PERIOD, SpecPlan, Speculator
+from tests.test_prefetch import _cache, _CountingSource
+from tests.test_speculate import SIZE, FakeListing, _listings, _read
+
+
+def _gated(monkeypatch: pytest.MonkeyPatch, gates: list[threading.Event]) -> list[object]:
+    """Make the n-th plan build (in its worker thread) wait for gates[n]; returns the builds
+    started so far."""
+    started: list[object] = []
+    build = speculate._build_plan
+
+    def slow(snap: speculate._Snapshot) -> SpecPlan | None:
+        gate = gates[len(started)]
+        started.append(snap)
+        gate.wait(10)  # until the event loop has done what the test does meanwhile
+        return build(snap)
+
+    monkeypatch.setattr(speculate, "_build_plan", slow)
+    return started
+
+
+async def _until(done: object) -> None:
+    while not callable(done) or not done():
+        await trio.sleep(PERIOD)
+
+
+def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gates = [threading.Event(), threading.Event()]
+    started = _gated(monkeypatch, gates)
+
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source, window=100 * SIZE)
+        files = FakeListing(b"d", list(range(1, 21)))
+        spec = Speculator(cache, _listings(files), seed=0, offload_above=0)
+        await _read(cache, source, 1)  # cached: never planned
+        job = cache.jobs.jobs[0]
+        job.reads.extend([2, 3])  # read, not cached
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spec.run)
+            await _until(lambda: len(started) == 1)
+            # The universe keeps growing while the plan is built: no second build starts.
+            for _ in range(10):
+                spec.tracks[0].grown = True
+                await trio.sleep(speculate.REPLAN)
+            assert len(started) == 1 and not spec.plans
+            # Meanwhile the job ends its epoch and begins the next one with 5.
+            job.reads.extend([*range(4, 21), 5])
+            await trio.sleep(PERIOD * 2)
+            assert spec.tracks[0].epochs == 1
+            gates[0].set()  # the first build lands: of the older epoch, it is dropped
+            await _until(lambda: len(started) == 2)
+            assert not spec.plans and spec.plans_made == 0
+            job.reads.append(6)  # read while the new epoch's plan is built
+            await trio.sleep(PERIOD * 2)
+            gates[1].set()
+            await _until(lambda: 0 in spec.plans)
+            nursery.cancel_scope.cancel()
+        plan = spec.plans[0]
+        assert spec.plans_made == 1
+        # The new epoch's unread, uncached files; 6, read during the build, is consumed.
+        assert set(plan.keys.tolist()) == set(range(2, 21)) - {5}
+        assert plan.reads == 1 and plan.next_use(6) == math.inf
+        assert cache.prefetcher is not None and cache.prefetcher.plans[plan.name] is plan
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gates = [threading.Event()]
+    started = _gated(monkeypatch, gates)
+
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source, window=100 * SIZE)
+        spec = Speculator(cache, _listings(FakeListing(b"d", list(range(1, 21)))), offload_above=0)
+        pf = cache.prefetcher
+        assert pf is not None
+        await _read(cache, source, 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spec.run)
+            await _until(lambda: len(started) == 1)
+            known = SpecPlan("sampler", np.array([3], np.uint64), [b"p3"], np.array([SIZE]))
+            known.speculative = False  # a sampler's order
+            pf.add_plan(known)
+            gates[0].set()
+            await _until(lambda: not spec._building)
+            await trio.sleep(PERIOD * 2)
+            nursery.cancel_scope.cancel()
+        assert not spec.plans and list(pf.plans) == ["sampler"]
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
+    log: array[int] = array("Q")
+    keys = np.array([1, 2, 3], dtype=np.uint64)
+    plan = SpecPlan("s", keys, [b"p1", b"p2", b"p3"], np.full(3, SIZE), log)
+    assert not plan.consumed(1) and plan.next_use(2) == 1.0
+    log.append(2)  # the job opened 2; the speculator has not synced yet
+    assert plan.consumed(1) and plan.next_use(2) == math.inf
+    assert not plan.consumed(0) and plan.next_use(1) == 0.0
