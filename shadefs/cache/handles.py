@@ -18,6 +18,7 @@ thread.
 
 from __future__ import annotations
 
+from shadefs.cache.kernel_pages import KernelPages
 from shadefs.stats import HandleStats
 
 __all__ = ["HandleLedger"]
@@ -30,7 +31,7 @@ class HandleLedger:
     :handles: open handles that hold bytes
     """
 
-    __slots__ = ("_count", "_outside", "held", "handles", "deferred", "unread")
+    __slots__ = ("_count", "_outside", "held", "handles", "deferred", "unread", "kernel")
 
     def __init__(self) -> None:
         self._count: dict[int, int] = {}  # id(bytes) -> handles holding it
@@ -39,6 +40,7 @@ class HandleLedger:
         self.handles = 0
         self.deferred = 0  # opens answered before their fetch (cache/lazy.py)
         self.unread = 0  # of those, released without a read: nothing fetched
+        self.kernel = KernelPages()  # what the kernel may serve itself (deferred opens)
 
     def pin(self, data: bytes, resident: bool) -> None:
         """A handle now holds `data`; `resident` says whether the RAM tier holds it too."""

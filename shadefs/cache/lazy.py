@@ -35,7 +35,7 @@ class Deferred(Generic[E]):
     :key, path, st: the file as the open looked it up (`st` is the version it answered)
     """
 
-    __slots__ = ("_fetch", "_ledger", "key", "path", "st", "_reserved")
+    __slots__ = ("_fetch", "_ledger", "key", "path", "st", "_reserved", "_answered")
 
     def __init__(
         self,
@@ -50,20 +50,25 @@ class Deferred(Generic[E]):
         self.key, self.path, self.st = key, path, st
         self._reserved: int | None = st.st_size  # None once read or dropped
         ledger.reserve(st.st_size)
+        self._answered = False
 
     def answered(self) -> None:
         """The open was answered before the fetch (else it fetched at once, `fetch`)."""
+        self._answered = True
         self._ledger.deferred += 1
 
     async def fetch(self) -> E:
         """The bytes (pinned for the handle) and their version; call once."""
+        if self._answered and self._reserved is not None:
+            self._ledger.kernel.served(False)  # a read reached the daemon
         self._unreserve()
         return await self._fetch(self.key, self.path, self.st)
 
     def drop(self) -> None:
         """The handle was released (or its open failed) before any read: nothing fetched."""
-        if self._reserved is not None:
+        if self._answered and self._reserved is not None:
             self._ledger.unread += 1
+            self._ledger.kernel.served(True)
         self._unreserve()
 
     def _unreserve(self) -> None:

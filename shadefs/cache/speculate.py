@@ -42,6 +42,7 @@ import numpy as np
 import trio
 
 from shadefs.cache.fetchlog import FetchLog
+from shadefs.cache.handles import HandleLedger
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
 from shadefs.sampling.epochs import JobReads, Listing, ListingOf
@@ -58,6 +59,8 @@ class Cache(Protocol):
     def fetchlog(self) -> FetchLog: ...
     @property
     def jobs(self) -> JobTable: ...
+    @property
+    def handles(self) -> HandleLedger: ...
     @property
     def ram_max(self) -> int: ...
     @property
@@ -163,6 +166,7 @@ class Speculator:
         self._planned_at: dict[int, float] = {}
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
+        self._trusted = True  # the kernel pages' share when the plans were made
         cache.fetchlog.sync = self.sync
         if self.enabled and cache.prefetcher is not None:
             cache.prefetcher.before_round = self.sync
@@ -222,6 +226,7 @@ class Speculator:
         if not self.enabled or pf is None:
             return
         known = any(not p.speculative for p in pf.plans.values())
+        flipped = self.cache.handles.kernel.trusted != self._trusted
         for row, track in self.tracks.items():
             plan = self.plans.get(row)
             if known or track.paused or now - self._last_read.get(row, 0.0) > self.idle:
@@ -234,6 +239,9 @@ class Speculator:
             if track.grown:
                 self._spent.discard(row)
             stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
+            if flipped:  # the kernel's pages turned out (not) to serve the reopens
+                self._spent.discard(row)
+                stale = True
             if (plan is None and row not in self._spent) or stale:
                 self._plan(row, track, now)
 
@@ -252,6 +260,10 @@ class Speculator:
         if len(index):
             cached = np.isin(track.keys[index], self.cache.resident_keys())
             index = index[~cached]
+        kernel = cache.handles.kernel
+        self._trusted = kernel.trusted
+        if len(index) and self._trusted:  # the kernel serves what it holds: not staged
+            index = index[~kernel.may_hold(track.keys[index])]
         if not len(index):
             self._drop(row)
             self._spent.add(row)

@@ -9,10 +9,9 @@ pages of the inode, and the handle's first read that reaches the daemon fetches.
 
 Which opens are deferred: those of inodes the kernel may hold pages of, that is, opened
 since the kernel last forgot them (a forget drops the kernel's inode with its pages), and
-not `unsure` (whose pages the next open drops anyway). `may_hold_pages` keeps that in a
-fixed bytearray indexed by the inode number's low bits: one byte per slot, no per-file
-object (DESIGN.md §6). A collision only changes which path an open takes (a deferred
-miss, or the fetch at open as before), never what it serves.
+not `unsure` (whose pages the next open drops anyway): cache/kernel_pages.py keeps that
+without a per-file object. A wrong guess only changes which path an open takes (a
+deferred miss, or the fetch at open as before), never what it serves.
 
 What the open still checks: a miss that fetched at open met the source's current version,
 and the identity rules (docs/developer-notes.md, "Identity") rely on that: a file changed
@@ -42,6 +41,7 @@ from typing import Protocol
 import pyfuse3
 import trio
 
+from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature
 from shadefs.fs.kernel import invalidate_attrs
@@ -51,7 +51,6 @@ __all__ = ["Deferrals"]
 
 log = logging.getLogger(__name__)
 
-_SLOTS = 1 << 22  # bytes of the "opened since the kernel's last forget" map
 # Errors of a fetch saying that the node's path no longer leads to it.
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 
@@ -89,25 +88,21 @@ class Deferrals:
     :handles: file handle -> its deferred fetch, until its first read has fetched
     """
 
-    def __init__(self, ns: Namespace, unpin: Callable[[bytes], None]) -> None:
-        """`unpin` gives back the pin of bytes fetched for a handle that will not serve them."""
+    def __init__(self, ns: Namespace, unpin: Callable[[bytes], None], kernel: KernelPages) -> None:
+        """`unpin` gives back the pin of bytes fetched for a handle that will not serve them;
+        `kernel` tells which inodes were opened since the kernel last forgot them."""
         self.ns = ns
         self._unpin = unpin
-        self._opened = bytearray(_SLOTS)
+        self.kernel = kernel
         self.handles: dict[int, _Pending] = {}
 
     def may_hold_pages(self, inode: int) -> bool:
         """Whether `inode` was opened since the kernel last forgot it; from now on it was."""
-        i = inode & (_SLOTS - 1)
-        seen = self._opened[i]
-        self._opened[i] = 1
-        return seen != 0
+        return self.kernel.opened(inode)
 
     def forget(self, items: Sequence[tuple[int, int]]) -> None:
         """The kernel dropped these inodes, and their pages with them."""
-        opened = self._opened
-        for ino, _ in items:
-            opened[ino & (_SLOTS - 1)] = 0
+        self.kernel.forget(ino for ino, _ in items)
 
     async def unchanged(self, inode: int, deferred: Deferred[_Fetched]) -> bool:
         """Check at the source (one lstat) that the file is the version the open looked up

@@ -119,7 +119,8 @@ class Operations(ReadOnly):
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
-        self.deferrals = Deferrals(ns, cache.unpin)  # misses fetched at their first read
+        # Misses fetched at their first read, where the kernel may hold the pages.
+        self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
