@@ -178,3 +178,10 @@ async def test_deferred_opens_count_against_the_handle_limit(tmp_path: Path) -> 
         await ops.release(fi.fh)
     h = svc.cache.describe().handles
     assert (h.bytes, h.deferred, h.unread) == (0, 2, 1)
+
+
+async def test_an_empty_file_is_fetched_at_open_since_no_read_comes(tmp_path: Path) -> None:
+    ops, svc, (ino,) = await evicted(tmp_path, {"e": b""})
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    await ops.release(fi.fh)
+    assert svc.cache.tier_of(ino) == 1 and svc.cache.describe().handles.deferred == 0

@@ -231,7 +231,7 @@ class Cache:
             self.metrics.passthrough_opens += 1
             self.handle_passthrough += 1
             return None
-        if lazy and key not in self._flights:  # (an open joins a flight: nothing staged late)
+        if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
             return Deferred(self.fetch, self.handles, key, path, st)
         return await self.fetch(key, path, st, pin=False)
 

@@ -8,6 +8,9 @@ pass-through and handle-limit decisions) and, where it would fetch, returns a `D
 instead. The handle's first read that reaches the daemon calls `fetch`, which is the
 cache's ordinary miss fetch (single flight, joining a prefetch, admission), pinned for the
 handle; a handle released unread fetches nothing (`HandleLedger.unread` counts those).
+Two misses still fetch at open: one that finds a fetch of the file in flight joins it (the
+bytes are on their way; a prefetch landing after the open would be staged for nobody), and
+an empty file (no read will ever reach the daemon, which would then never cache it).
 
 Which opens may be deferred, and what a deferred handle does when its fetch meets another
 version, is the file system's business (`fs/deferred.py`): this module only keeps the
