@@ -3,9 +3,8 @@
 This module owns the one typed description of what the daemon reports. Each part describes
 its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier, the
 `SsdStats` with its restore and the policies' `PolicyState`, `PrefetchStats`,
-`SamplerStats`); the service assembles them into one `Stats`, which every consumer reads:
-`Stats.to_json()` is `stats.json` (stable keys: scripts depend on them), `render_text()` the
-`stats` file, `shadefs.ops.prom` the Prometheus text, `shadefs.ops.watch` the live view.
+`SamplerStats`), the service assembles them into one `Stats`: `to_json()` is `stats.json`
+(stable keys), `render_text()` the `stats` file; `ops.prom` and `ops.watch` read it too.
 
 This module imports no part (the parts import it), so the data flows one way. The hot path
 only increments plain int attributes of `Metrics` (no locks: all runs in the trio thread).
@@ -161,6 +160,8 @@ class HandleStats:
     limit: int  # past it, new opens of uncached files are read through
     open: int  # handles that hold bytes
     passthrough_opens: int  # opens read through because of the limit
+    deferred: int = 0  # opens of misses answered before their fetch (the first read fetches)
+    unread: int = 0  # of those, released without a read: a fetch the kernel's pages saved
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,9 @@ def full(**top: Any) -> Stats:
                 max_score=0.9,
                 kept=2,
             ),
-            handles=HandleStats(bytes=2048, limit=4096, open=5, passthrough_opens=1),
+            handles=HandleStats(
+                bytes=2048, limit=4096, open=5, passthrough_opens=1, deferred=3, unread=2
+            ),
             ssd=ssd,
         ),
         sampler=SamplerStats(

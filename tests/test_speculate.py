@@ -243,3 +243,40 @@ def test_a_reopen_straight_after_a_read_is_one_read() -> None:
         assert not track.paused and track.breaks == 0 and track.count == 3
 
     trio.run(run)
+
+
+def test_files_the_kernel_holds_are_not_staged_while_it_serves_the_reopens() -> None:
+    source, cache, spec = _setup(n=20)
+    kernel = cache.handles.kernel
+    for key in range(1, 11):  # opened before: the kernel may hold their pages
+        kernel.opened(key)
+    for key in (11, 12):
+        trio.run(_read, cache, source, key)
+    spec.sync()
+    spec.tend(time.monotonic())
+    planned = set(spec.plans[0].keys.tolist())
+    assert planned == set(range(13, 21))  # neither read nor held by the kernel
+    # Deferred reopens that the daemon had to serve: the kernel's pages are mostly gone,
+    # and the plan is rebuilt with the files it was thought to hold.
+    for _ in range(40):
+        kernel.served(False)
+    assert not kernel.trusted
+    spec.tend(time.monotonic())
+    assert set(spec.plans[0].keys.tolist()) == set(range(1, 11)) | set(range(13, 21))
+
+
+def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
+    from shadefs.cache.kernel_pages import KernelPages
+
+    kernel = KernelPages()
+    assert not kernel.opened(5) and kernel.opened(5)
+    assert kernel.may_hold(np.array([5, 6], dtype=np.uint64)).tolist() == [True, False]
+    kernel.forget([5])
+    assert not kernel.opened(5)
+    assert kernel.trusted
+    for _ in range(40):
+        kernel.served(False)
+    assert not kernel.trusted
+    for _ in range(40):
+        kernel.served(True)
+    assert kernel.trusted

@@ -83,7 +83,14 @@ def test_the_document_keeps_its_keys_and_meanings() -> None:
     assert d["restore"] == {"done": True, "entries": 8, "seconds": 0.25}
     assert d["prefetch"]["plan_positions"] == {"pid=7": [5, 40]}
     assert d["policy_state"]["max_score"] == 0.9
-    assert d["handles"] == {"bytes": 2048, "limit": 4096, "open": 5, "passthrough_opens": 1}
+    assert d["handles"] == {
+        "bytes": 2048,
+        "limit": 4096,
+        "open": 5,
+        "passthrough_opens": 1,
+        "deferred": 3,
+        "unread": 2,
+    }
     check_keys(minimal().to_json(), ssd=False, prefetch=False, table=False)
     # A policy leaves out the state it does not have, as before.
     assert minimal().to_json()["policy_state"] == {"name": "lru", "entries": 3}

@@ -151,14 +151,16 @@ class Blocks:
         """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
         blocks: above every tier's whole-file limit, or one the SSD tier would cache whole
         when open handles hold too much to fetch it whole (`--handle-limit`; as blocks it
-        still reaches the SSD) or when its blocks are there already."""
+        still reaches the SSD), or when it was opened in blocks before: its blocks, not
+        a whole fetch, serve the reopen (Parquet reopens a file while the release of the
+        file read before it, which the kernel sends late, still holds the limit)."""
         if size > self.threshold:  # above every whole-file limit
             return size <= self.passthrough_above
         cache, ssd = self.cache, self.cache.ssd
         if ssd is None or key in ssd.index or size > self.passthrough_above:
             return False
         held, limit = cache.handles.held, cache.handle_limit
-        return held + size > limit or block_key(key, 0) in ssd.index
+        return held + size > limit or key in self._sigs or block_key(key, 0) in ssd.index
 
     # --- open / release ---------------------------------------------------------------
 

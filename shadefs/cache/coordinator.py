@@ -2,23 +2,19 @@
 
 The cache decides hit or miss when a regular file is opened (one sample = one file),
 fetches misses whole from the source (one fetch per file at a time, however many readers
-open it concurrently), and asks the policy whether the fetched bytes may stay and what to
-evict for them. It never chooses victims itself.
-
-Files larger than `max_entry` are not cached whole: `fs/operations.py` hands them to
-`cache/blocks.py`, which caches them as block entries in these same tiers (`admit`,
-`remove`; block keys are negative), or reads them through (pass-through) with positional
-reads on a source descriptor when blocks are off or the file exceeds the whole budget.
+open it concurrently; at the first read when the open was deferred, cache/lazy.py), and
+asks the policy whether the fetched bytes may stay and what to evict. It never chooses
+victims itself. Files above `max_entry` are `cache/blocks.py`'s: block entries in these
+same tiers (`admit`, `remove`; negative keys), or read through on a source descriptor.
 
 The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
 two callables it needs (`fetch_ahead`, `tier_of`), so prefetch.py does not import this
 module. It builds both tiers' policies by name (`belady` reads the prefetcher's plans).
 `start(nursery)` starts the tiers' and the prefetcher's tasks and the idle-job sweep.
 
-Concurrency (see docs/developer-notes.md): everything here runs in the trio thread, and
-the code between two awaits is a critical section. The awaits of the data path are the SSD
-lookup and the source fetch in `open`; after each, the state is re-read rather than
-trusted from before.
+Concurrency (docs/developer-notes.md): everything runs in the trio thread; the code between
+two awaits is a critical section. The data path awaits the SSD lookup and the source fetch;
+after each, the state is re-read rather than trusted from before.
 """
 
 from __future__ import annotations
@@ -32,8 +28,9 @@ import trio
 
 from shadefs.cache.block_keys import by_file
 from shadefs.cache.fetchlog import FetchLog
-from shadefs.cache.flights import Flight, flying
+from shadefs.cache.flights import FileFlight, flying
 from shadefs.cache.handles import HandleLedger
+from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature, StatLike
@@ -56,24 +53,11 @@ class Entry(NamedTuple):
     where: int = 0
 
 
-class _Flight(Flight):
-    __slots__ = ("sig", "ahead", "clean")
-
-    def __init__(self, ahead: bool = False) -> None:
-        super().__init__()
-        self.sig: Signature | None = None
-        self.ahead = ahead  # started by the prefetcher, not by a reader
-        self.clean = True  # the bytes are the whole file (else they are never cached)
-
-
 class Cache:
     """The RAM tier under a byte budget that is never exceeded (counting file bytes), and
-    the owner of the SSD tier and of the prefetcher.
-
-    :capacity: the budget in bytes; :used: bytes of resident file data
-    :max_entry: the largest file cached whole in RAM
-    :ssd: the SSD tier, :prefetcher: the prefetcher (None when off)
-    """
+    the owner of the SSD tier and of the prefetcher. :capacity: the budget in bytes; :used:
+    bytes of resident file data; :max_entry: the largest file cached whole in RAM; :ssd: the
+    SSD tier, :prefetcher: the prefetcher (None when off)"""
 
     def __init__(
         self,
@@ -117,7 +101,7 @@ class Cache:
         self.shared_fetches = 0
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
-        self._flights: dict[int, _Flight] = {}
+        self._flights: dict[int, FileFlight] = {}
         self.fetchlog = FetchLog()  # refetches within an epoch
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
@@ -173,12 +157,16 @@ class Cache:
 
     async def open(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> bytes | None:
         entry = await self.open_entry(key, path, st, pid)  # its bytes only
+        assert not isinstance(entry, Deferred)
         return None if entry is None else entry.data
 
-    async def open_entry(self, key: int, path: bytes, st: StatLike, pid: int = 0) -> Entry | None:
+    async def open_entry(
+        self, key: int, path: bytes, st: StatLike, pid: int = 0, lazy: bool = False
+    ) -> Entry | Deferred[Entry] | None:
         """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
         None: read it through. `pid`: the reader (its job is looked up in `jobs`). A miss
-        may meet another version than `st`'s, or only its start if it grew past the bound."""
+        may meet another version than `st`'s, or only its start if it grew past the bound.
+        `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
         sig = Signature.of(st)
         jobs = self.jobs
         reader = jobs.pids.get(pid) or jobs.job_of(pid)
@@ -202,15 +190,18 @@ class Cache:
                 return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
-        got = await self._miss(key, path, st, sig, reader)
-        if got is not None:
-            entry = self.entries.get(key)
-            self.handles.pin(got.data, entry is not None and entry.data is got.data)
+        got = await self._miss(key, path, st, sig, reader, lazy)
+        if type(got) is Entry:  # a Deferred is pinned when its first read fetches
+            self._pin(key, got)
         return got
 
+    def _pin(self, key: int, got: Entry) -> None:
+        entry = self.entries.get(key)
+        self.handles.pin(got.data, entry is not None and entry.data is got.data)
+
     async def _miss(
-        self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job
-    ) -> Entry | None:
+        self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job, lazy: bool
+    ) -> Entry | Deferred[Entry] | None:
         """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
@@ -241,11 +232,20 @@ class Cache:
             self.metrics.passthrough_opens += 1
             self.handle_passthrough += 1
             return None
+        if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
+            return Deferred(self.fetch, self.handles, key, path, st)
+        return await self.fetch(key, path, st, pin=False)
+
+    async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:
+        """A miss's fetch (a deferred open's, at its first read), pinned unless not `pin`."""
         t0 = time.monotonic()
         try:
-            return await self._fetch(key, path, st)
+            got = await self._fetch(key, path, st)
         finally:
             self.blocked += time.monotonic() - t0
+        if pin:
+            self._pin(key, got)
+        return got
 
     async def _fetch(self, key: int, path: bytes, st: StatLike) -> Entry:
         flight = self._flights.get(key)
@@ -260,14 +260,14 @@ class Cache:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
             return Entry(data, flight.sig)
-        flight = _Flight()
+        flight = FileFlight()
         data, sig = await self._fly(key, path, flight, st.st_size)
         if flight.clean and sig.ino == st.st_ino:  # else the path leads to another file now
             self._adopt(key, path, data, sig)
         return Entry(data, sig)
 
     async def _fly(
-        self, key: int, path: bytes, flight: _Flight, size: int | None
+        self, key: int, path: bytes, flight: FileFlight, size: int | None
     ) -> tuple[bytes, Signature]:
         """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
         with flying(self._flights, key, flight):
@@ -288,7 +288,7 @@ class Cache:
         when a reader is fetching the file (and will cache it), or it grew past the bound."""
         if key in self._flights:
             return None
-        flight = _Flight(ahead=True)
+        flight = FileFlight(ahead=True)
         fetched = await self._fly(key, path, flight, size)
         return fetched if flight.clean else None
 

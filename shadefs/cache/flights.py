@@ -18,7 +18,9 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
-__all__ = ["Flight", "flying"]
+from shadefs.cache.ssd_format import Signature
+
+__all__ = ["FileFlight", "Flight", "flying"]
 
 
 class Flight:
@@ -38,6 +40,18 @@ class Flight:
             raise self.error
         assert self.data is not None
         return self.data
+
+
+class FileFlight(Flight):
+    """A whole file's fetch (cache/coordinator.py): its version, and who started it."""
+
+    __slots__ = ("sig", "ahead", "clean")
+
+    def __init__(self, ahead: bool = False) -> None:
+        super().__init__()
+        self.sig: Signature | None = None
+        self.ahead = ahead  # started by the prefetcher, not by a reader
+        self.clean = True  # the bytes are the whole file (else they are never cached)
 
 
 F = TypeVar("F", bound=Flight)

@@ -5,8 +5,10 @@ invariant 6): eviction drops the cache's reference and the bytes live on until `
 Without a bound, many long-open handles could keep any amount of evicted data alive above
 `--ram`. This ledger counts, per distinct bytes object, how many handles hold it, and which
 of those objects the RAM tier no longer holds. `held` is what the handles alone keep alive:
-the memory the budget does not see. Past the cache's limit, the coordinator serves new opens
-of uncached files without keeping a copy (pass-through reads), so `held` stays bounded.
+the memory the budget does not see, plus the sizes of deferred opens (cache/lazy.py) that
+their first read will fetch, reserved at the open so that the limit holds once they have.
+Past the cache's limit, the coordinator serves new opens of uncached files without keeping
+a copy (pass-through reads), so `held` stays bounded.
 
 Bytes objects are told apart by identity: while a pin exists its handle references the
 object, so the id cannot be reused. Pinning sits on the hit path (every open and release),
@@ -16,6 +18,7 @@ thread.
 
 from __future__ import annotations
 
+from shadefs.cache.kernel_pages import KernelPages
 from shadefs.stats import HandleStats
 
 __all__ = ["HandleLedger"]
@@ -28,13 +31,16 @@ class HandleLedger:
     :handles: open handles that hold bytes
     """
 
-    __slots__ = ("_count", "_outside", "held", "handles")
+    __slots__ = ("_count", "_outside", "held", "handles", "deferred", "unread", "kernel")
 
     def __init__(self) -> None:
         self._count: dict[int, int] = {}  # id(bytes) -> handles holding it
         self._outside: dict[int, int] = {}  # id(bytes) -> size, for pinned bytes not in RAM
         self.held = 0
         self.handles = 0
+        self.deferred = 0  # opens answered before their fetch (cache/lazy.py)
+        self.unread = 0  # of those, released without a read: nothing fetched
+        self.kernel = KernelPages()  # what the kernel may serve itself (deferred opens)
 
     def pin(self, data: bytes, resident: bool) -> None:
         """A handle now holds `data`; `resident` says whether the RAM tier holds it too."""
@@ -77,7 +83,20 @@ class HandleLedger:
         if size is not None:
             self.held -= size
 
+    def reserve(self, size: int) -> None:
+        """A deferred open will hold `size` bytes once read: count them from now."""
+        self.held += size
+
+    def unreserve(self, size: int) -> None:
+        """A deferred open was read (its bytes are pinned instead) or released unread."""
+        self.held -= size
+
     def describe(self, limit: int, passthrough_opens: int) -> HandleStats:
         return HandleStats(
-            bytes=self.held, limit=limit, open=self.handles, passthrough_opens=passthrough_opens
+            bytes=self.held,
+            limit=limit,
+            open=self.handles,
+            passthrough_opens=passthrough_opens,
+            deferred=self.deferred,
+            unread=self.unread,
         )

@@ -53,6 +53,8 @@ import numpy as np
 import trio
 
 from shadefs.cache.fetchlog import FetchLog
+from shadefs.cache.handles import HandleLedger
+from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
 from shadefs.sampling.builds import resident_among
@@ -70,6 +72,8 @@ class Cache(Protocol):
     def fetchlog(self) -> FetchLog: ...
     @property
     def jobs(self) -> JobTable: ...
+    @property
+    def handles(self) -> HandleLedger: ...
     @property
     def ram_max(self) -> int: ...
     @property
@@ -189,14 +193,24 @@ class _Snapshot(NamedTuple):
     cached: list[int]  # every cached key (blocks' negative ones too)
     seed: int
     unseen: Sequence[int]  # the job's read log (SpecPlan's)
+    # Files the kernel may hold pages of are left out (a wrong guess read from the loop's
+    # live map only stages a file more or less, never serves anything).
+    kernel: KernelPages | None
 
     @classmethod
     def of(
-        cls, name: str, reads: JobReads, limit: int, cached: list[int], seed: int, log: Job
+        cls,
+        name: str,
+        reads: JobReads,
+        limit: int,
+        cached: list[int],
+        seed: int,
+        log: Job,
+        kernel: KernelPages | None,
     ) -> _Snapshot:
         return cls(
             name, reads.keys, reads.sizes, reads.where, list(reads.listings),
-            reads.unread(), limit, cached, seed, log.reads,
+            reads.unread(), limit, cached, seed, log.reads, kernel,
         )  # fmt: skip
 
 
@@ -209,6 +223,8 @@ def _build_plan(snap: _Snapshot) -> SpecPlan | None:
     index = index[sizes[index] <= limit]
     if len(index):
         index = index[~resident_among(keys[index], cached)]
+    if len(index) and snap.kernel is not None:
+        index = index[~snap.kernel.may_hold(keys[index])]
     if not len(index):
         return None
     index = np.random.default_rng(snap.seed).permutation(index)
@@ -254,6 +270,7 @@ class Speculator:
         self._nursery: trio.Nursery | None = None  # while `run` runs: builds go off the loop
         self._building: dict[int, _Build] = {}  # job row -> its plan in the making
         self._renew: set[int] = set()  # rows whose new epoch wants a fresh plan (`tend`)
+        self._trusted = True  # the kernel pages' share when the plans were made
         cache.fetchlog.sync = self.sync
 
     async def run(self) -> None:
@@ -320,6 +337,7 @@ class Speculator:
         if not self.enabled or pf is None:
             return
         known = any(not p.speculative for p in pf.plans.values())
+        flipped = self.cache.handles.kernel.trusted != self._trusted
         for row, track in self.tracks.items():
             plan = self.plans.get(row)
             if known or track.paused or now - self._last_read.get(row, 0.0) > self.idle:
@@ -335,6 +353,9 @@ class Speculator:
                 self._spent.discard(row)
             stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
             renew = row in self._renew
+            if flipped:  # the kernel's pages turned out (not) to serve the reopens
+                self._spent.discard(row)
+                stale = True
             if (plan is None and row not in self._spent) or stale or renew:
                 self._plan(row, track, now)
 
@@ -352,7 +373,12 @@ class Speculator:
         limit = min(cache.ram_max, cache.handle_limit)
         job = cache.jobs.jobs[row]
         seed = int(self.rng.integers(1 << 62))
-        snap = _Snapshot.of(f"speculate:{job.id}", track, limit, cache.cached_keys(), seed, job)
+        kernel = cache.handles.kernel
+        self._trusted = kernel.trusted
+        held = kernel if self._trusted else None  # the kernel serves what it holds
+        snap = _Snapshot.of(
+            f"speculate:{job.id}", track, limit, cache.cached_keys(), seed, job, held
+        )
         if self._nursery is None or len(track) <= self.offload_above:
             self._install(row, _build_plan(snap))
             return

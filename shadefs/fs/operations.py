@@ -27,17 +27,20 @@ from typing import TypeVar, cast
 
 import pyfuse3
 import trio
-from pyfuse3 import FileHandleT, FileNameT, FlagT, InodeT, ModeT, XAttrNameT
+from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.extents import advise
+from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
+from shadefs.fs.deferred import Deferrals
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import invalidate_attrs
 from shadefs.fs.namespace import Namespace
+from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.xattrs import Xattrs
 from shadefs.source import OPENER, Source
@@ -53,10 +56,6 @@ _READDIR_CHUNK = 64
 # Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-
-
-def _erofs() -> pyfuse3.FUSEError:
-    return pyfuse3.FUSEError(errno.EROFS)
 
 
 def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -84,14 +83,14 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
-    for name, fn in list(vars(cls).items()):
+    for name, fn in {**vars(ReadOnly), **vars(cls)}.items():
         if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
             setattr(cls, name, _guarded(fn))
     return cls
 
 
 @_guard_handlers
-class Operations(pyfuse3.Operations):
+class Operations(ReadOnly):
     """Request handlers. `handles` maps an open file to its bytes or a source descriptor."""
 
     supports_dot_lookup = False
@@ -120,6 +119,8 @@ class Operations(pyfuse3.Operations):
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
+        # Misses fetched at their first read, where the kernel may hold the pages.
+        self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -134,6 +135,7 @@ class Operations(pyfuse3.Operations):
 
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         self.ns.forget(list(inode_list))
+        self.deferrals.forget(inode_list)
 
     async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
@@ -223,7 +225,7 @@ class Operations(pyfuse3.Operations):
         if Control.owns(inode):
             return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
-            raise _erofs()
+            raise erofs()
         st, path, checked = self.ns.opening(inode)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
@@ -231,15 +233,22 @@ class Operations(pyfuse3.Operations):
             st, changed = await self.ns.fresh_stat(inode)
             if changed:
                 await invalidate_attrs(inode)
+        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
+        lazy = self.deferrals.may_hold_pages(inode) and inode not in self.ns.unsure
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
                 blocks = self.blocks
                 if blocks is not None and blocks.takes(inode, st.st_size):
                     return await self._open_blocks(blocks, inode, path, st)
             try:
-                entry = await self.cache.open_entry(inode, path, st, ctx.pid)
+                entry = await self.cache.open_entry(inode, path, st, ctx.pid, lazy)
                 if entry is None:  # read through: the kernel may keep no pages of it
                     return await self._open_through(inode, path, st)
+                if isinstance(entry, Deferred):
+                    if await self.deferrals.unchanged(inode, entry):
+                        self.deferrals.add(fh := self._handle(inode), inode, entry)
+                        return self._file_info(fh, inode)  # keep_cache: the version looked up
+                    entry = await entry.fetch()  # it changed: fetched now, checked below
             except pyfuse3.FUSEError as exc:
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
@@ -329,6 +338,9 @@ class Operations(pyfuse3.Operations):
         elif fh in self._blk:
             assert self.blocks is not None
             chunk = await self.blocks.read(self._blk[fh], off, size)
+        elif fh in self.deferrals.handles:  # its first read fetches (fs/deferred.py)
+            mv = self._mem[fh] = await self.deferrals.read(fh)
+            chunk = cast(bytes, mv[off : off + size])
         else:
             return self.control.read(fh, off, size)
         self.metrics.bytes_served += len(chunk)
@@ -348,13 +360,15 @@ class Operations(pyfuse3.Operations):
         elif fh in self._blk:
             assert self.blocks is not None
             await self.blocks.release(self._blk.pop(fh))
+        elif self.deferrals.release(fh):
+            pass
         elif self.control.owns_handle(fh):
             self.control.release(fh)
 
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         if self.control.owns_handle(fh):
             return await self.control.write(fh, buf)
-        raise _erofs()
+        raise erofs()
 
     async def setattr(
         self,
@@ -367,80 +381,4 @@ class Operations(pyfuse3.Operations):
         # `echo cmd > ctl` truncates first; truncating a control file is a no-op.
         if Control.owns(inode) and inode != DIR_INODE and not fields.update_mode:
             return self.control.attrs(inode)
-        raise _erofs()
-
-    # --- everything that would change the tree ------------------------------------------
-
-    async def mknod(
-        self,
-        parent_inode: InodeT,
-        name: FileNameT,
-        mode: ModeT,
-        rdev: int,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
-        raise _erofs()
-
-    async def mkdir(
-        self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        raise _erofs()
-
-    async def unlink(
-        self, parent_inode: InodeT, name: FileNameT, ctx: pyfuse3.RequestContext
-    ) -> None:
-        raise _erofs()
-
-    async def rmdir(
-        self, parent_inode: InodeT, name: FileNameT, ctx: pyfuse3.RequestContext
-    ) -> None:
-        raise _erofs()
-
-    async def symlink(
-        self,
-        parent_inode: InodeT,
-        name: FileNameT,
-        target: FileNameT,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
-        raise _erofs()
-
-    async def rename(
-        self,
-        parent_inode_old: InodeT,
-        name_old: FileNameT,
-        parent_inode_new: InodeT,
-        name_new: FileNameT,
-        flags: FlagT,
-        ctx: pyfuse3.RequestContext,
-    ) -> None:
-        raise _erofs()
-
-    async def link(
-        self,
-        inode: InodeT,
-        new_parent_inode: InodeT,
-        new_name: FileNameT,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
-        raise _erofs()
-
-    async def create(
-        self,
-        parent_inode: InodeT,
-        name: FileNameT,
-        mode: ModeT,
-        flags: FlagT,
-        ctx: pyfuse3.RequestContext,
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        raise _erofs()
-
-    async def setxattr(
-        self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: pyfuse3.RequestContext
-    ) -> None:
-        raise _erofs()
-
-    async def removexattr(
-        self, inode: InodeT, name: XAttrNameT, ctx: pyfuse3.RequestContext
-    ) -> None:
-        raise _erofs()
+        raise erofs()

@@ -139,6 +139,8 @@ METRICS: tuple[Sample, ...] = (
         "handle_passthrough_opens",
         "Opens read through because open handles held too much",
     ),
+    _c("cache.handles.deferred", "deferred_opens", "Opens of misses answered before the fetch"),
+    _c("cache.handles.unread", "deferred_unread", "Deferred opens released unread: not fetched"),
     _g("cache.ram.bytes", "ram_bytes", "Bytes held in the RAM tier"),
     _g("cache.ram.capacity", "ram_capacity_bytes", "RAM tier budget in bytes"),
     _g("cache.max_entry", "ram_max_entry_bytes", "Largest file the RAM tier caches"),

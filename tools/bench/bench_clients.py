@@ -11,7 +11,9 @@ Clients (each reads a dataset of about `--data` bytes, written once into a temp 
 - h5py: random 16-row slices of a chunked 2-D float32 dataset;
 - memmap: random 4 KiB rows of a `.npy` through `np.load(mmap_mode="r")`;
 - parquet: `pq.read_table` of 4 files (footer first, then the column chunks, reopened);
-- fio: random 4k reads (`--io_size` a tenth of the data), then a sequential 1M read.
+- fio: random 4k reads (`--io_size` a tenth of the data), then a sequential 1M read;
+- reread: 40 files read whole in a shuffled order each epoch, as a training loop does:
+  from epoch 2 the kernel holds the pages of the files that RAM evicted (fs/deferred.py).
 
 A client whose package (or `fio`) is missing is skipped with a printed line. Setups, each
 over a local source (files in the page cache) and over the slow-remote emulator
@@ -48,7 +50,7 @@ from benchlib import drop_page_cache, mounted, slowfs_mounted, slowfs_stats, sta
 from shadefs.common import parse_size
 
 MiB = 1 << 20
-CLIENTS = ("preads", "lmdb", "h5py", "memmap", "parquet", "fio")
+CLIENTS = ("preads", "lmdb", "h5py", "memmap", "parquet", "fio", "reread")
 Client = Callable[[Path, int], int]  # (root, epoch) -> bytes asked
 
 
@@ -105,6 +107,9 @@ def make_data(root: Path, client: str, size: int) -> None:
     elif client == "fio":
         for i in range(4):
             (d / f"f{i}.bin").write_bytes(rng.randbytes(size // 4))
+    elif client == "reread":
+        for i in range(40):
+            (d / f"f{i:02}.bin").write_bytes(rng.randbytes(size // 40))
 
 
 # --- clients --------------------------------------------------------------------------------
@@ -190,6 +195,12 @@ def run_fio(root: Path, epoch: int) -> int:
     return io + size
 
 
+def run_reread(root: Path, epoch: int) -> int:
+    paths = sorted((root / "reread").glob("*.bin"))
+    random.Random(500 + epoch).shuffle(paths)
+    return sum(len(p.read_bytes()) for p in paths)
+
+
 RUNNERS: dict[str, Client] = {
     "preads": run_preads,
     "lmdb": run_lmdb,
@@ -197,6 +208,7 @@ RUNNERS: dict[str, Client] = {
     "memmap": run_memmap,
     "parquet": run_parquet,
     "fio": run_fio,
+    "reread": run_reread,
 }
 PACKAGES = {"lmdb": "lmdb", "h5py": "h5py", "parquet": "pyarrow", "memmap": "numpy"}
 
@@ -206,16 +218,23 @@ PACKAGES = {"lmdb": "lmdb", "h5py": "h5py", "parquet": "pyarrow", "memmap": "num
 
 def _epochs(
     client: str, root: Path, epochs: int, drop: list[Path], counter: Callable[[], int]
-) -> list[tuple[float, int, int]]:
+) -> list[tuple[float, int, int, int]]:
+    """Per epoch: seconds, source bytes, bytes asked, bytes the daemon served (-1: none)."""
     out = []
+    served = (lambda: int(stats(root)["bytes_served"])) if _is_shadefs(root) else (lambda: 0)
     for e in range(epochs):
         for d in drop:
             drop_page_cache(d)
-        before = counter()
+        before, s0 = counter(), served()
         t0 = time.perf_counter()
         asked = RUNNERS[client](root, e)
-        out.append((time.perf_counter() - t0, counter() - before, asked))
+        secs = time.perf_counter() - t0
+        out.append((secs, counter() - before, asked, served() - s0 if _is_shadefs(root) else -1))
     return out
+
+
+def _is_shadefs(root: Path) -> bool:
+    return (root / ".shadefs" / "stats.json").exists()
 
 
 def _fetched(mnt: Path) -> Callable[[], int]:
@@ -228,7 +247,7 @@ def bench(client: str, args: argparse.Namespace, work: Path) -> None:
     data = sum(p.stat().st_size for p in (src / client).rglob("*") if p.is_file())
     ram = 14 * MiB if client == "preads" else max(int(data * 0.3), 1 * MiB)
     for remote in args.remote:
-        direct: list[tuple[float, int, int]] = []
+        direct: list[tuple[float, int, int, int]] = []
         for setup in args.setups:
             with _source(remote, src, work) as (root, remote_counter):
                 drop = [root] if remote == "slow" else []
@@ -247,13 +266,14 @@ def bench(client: str, args: argparse.Namespace, work: Path) -> None:
                         res = _epochs(client, mnt, args.epochs, drop, _fetched(mnt))
                         if setup == "ssd":  # let the write-behind land before unmounting
                             time.sleep(0.5)
-            for e, (secs, src_bytes, asked) in enumerate(res):
+            for e, (secs, src_bytes, asked, served) in enumerate(res):
                 ref = direct[e][0] if e < len(direct) else float("nan")
                 print(
                     f"{client:8} {remote:5} {setup:6} epoch {e + 1}: {secs:7.2f} s"
                     f"  x{secs / ref:5.2f} direct  source {src_bytes / MiB:8.1f} MiB"
-                    f"  asked {asked / MiB:7.1f} MiB  (data {data / MiB:.0f} MiB, RAM"
-                    f" {ram / MiB:.0f} MiB)",
+                    f"  asked {asked / MiB:7.1f} MiB"
+                    + (f"  served {served / MiB:7.1f} MiB" if served >= 0 else "")
+                    + f"  (data {data / MiB:.0f} MiB, RAM {ram / MiB:.0f} MiB)",
                     flush=True,
                 )
 
