@@ -17,6 +17,7 @@ import trio
 from shadefs.cache.block_keys import block_key, file_key, parse_block_relpath
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs
+from tests.test_random_reads import settled
 
 BS = 32 << 10
 
@@ -68,7 +69,7 @@ async def test_partly_cached_shard_reads_correct_bytes_everywhere(
         for b in (0, 3, 4, 11, 20):
             assert await _read(ops, fi.fh, b * BS + 7, 100) == data[b * BS + 7 : b * BS + 107]
         await ops.release(fi.fh)
-        await trio.sleep(0.1)
+        await settled(svc)  # the blocks loaded ahead of those reads have landed
         resident = [k for k in svc.cache.entries if k < 0]
         assert 0 < len(resident) < 21
         fi = await ops.open(ino, os.O_RDONLY, CTX)

@@ -112,15 +112,15 @@ async def test_opening_a_block_cached_file_fetches_nothing(tmp_path: Path) -> No
         fi = await ops.open(await lookup_path(ops, "fill.bin"), os.O_RDONLY, CTX)
         assert await _pread(ops, fi.fh, 0, len(fill)) == fill  # the RAM tier is full
         await ops.release(fi.fh)
-        await _settled(svc)
+        await settled(svc)
         before = svc.source.bytes_read
         fi = await ops.open(await lookup_path(ops, "t.parquet"), os.O_RDONLY, CTX)
-        await _settled(svc)
+        await settled(svc)
         assert svc.source.bytes_read == before
         # A footer read (Parquet's first) is random: it costs an extent, not a block.
         tail = len(data) - 8
         assert await _pread(ops, fi.fh, tail, 8) == data[tail:]
-        await _settled(svc)
+        await settled(svc)
         assert svc.source.bytes_read - before == EXTENT
         # Then a column chunk read as a stream gets whole blocks and read-ahead.
         for off in range(BS, 3 * BS, 64 << 10):
@@ -209,7 +209,7 @@ def test_sequential_judgement_and_the_extent_lru() -> None:
     assert ext.get(-1, 0, other) is None and ext.bytes == 4  # another version: dropped
 
 
-async def _settled(svc) -> None:
+async def settled(svc) -> None:
     """Until every task waits and no source call or SSD write is in flight: background
     loads have landed (they run in real threads, which no clock can advance)."""
     while True:
@@ -238,7 +238,7 @@ async def test_a_file_above_the_handle_limit_reaches_the_ssd_tier(tmp_path: Path
             got = [await _pread(ops, fi.fh, off, 65536) for off in range(0, len(data), 65536)]
             assert b"".join(got) == data
             await ops.release(fi.fh)
-            await _settled(svc)
+            await settled(svc)
             if not first:
                 first = svc.source.bytes_read
         nursery.cancel_scope.cancel()
@@ -261,7 +261,7 @@ async def test_a_file_whose_blocks_are_on_the_ssd_is_read_from_them(tmp_path: Pa
         assert await _pread(ops, fb.fh, 0, len(b)) == b
         await ops.release(fb.fh)
         await ops.release(fa.fh)
-        await _settled(svc)
+        await settled(svc)
         before = svc.source.bytes_read
         fb = await ops.open(ib, os.O_RDONLY, CTX)  # room now, but its blocks are on the SSD
         assert await _pread(ops, fb.fh, 0, len(b)) == b
@@ -289,10 +289,10 @@ async def test_random_readers_of_held_open_files_fill_the_ssd_tier(tmp_path: Pat
                 off = rng.randrange(len(files[name]) // 4096) * 4096
                 assert await _pread(ops, fhs[name], off, 4096) == files[name][off : off + 4096]
                 await trio.sleep(0)  # let the background loads run
-            await _settled(svc)
+            await settled(svc)
             for fh in fhs.values():
                 await ops.release(fh)
-            await _settled(svc)
+            await settled(svc)
             fetched.append(svc.source.bytes_read - before)
         nursery.cancel_scope.cancel()
     assert fetched[1] <= 0.02 * total, (fetched, total)

@@ -49,7 +49,7 @@ import trio
 from shadefs.cache.block_files import block_tier, count_open, drop_blocks
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import Ranges, advise, pread_stat, streak
+from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -272,9 +272,11 @@ class Blocks:
         cache, bs, ssd = self.cache, self.block_size, self.cache.ssd
         if ssd is not None and bkey in ssd.index:
             return False  # local: a whole block costs no link
+        n, coming = min(bs, h.size - i * bs), self.ahead_bytes  # loading: room soon taken
+        if n <= EXTENT:
+            return False  # its extent would be the whole block, fetched again as the block
         if bkey in self._flights:
             return self._nursery is not None  # extents until it lands, not an 8 MiB wait
-        n, coming = min(bs, h.size - i * bs), self.ahead_bytes  # loading: room soon taken
         ram = self.ranges.touches.worth_whole(bkey, n, bs, cache.capacity, cache.used + coming)
         room = ssd is not None and ssd.capacity - ssd.store.disk_bytes - coming >= n
         if (ram or room) and self._fill(h, i):
