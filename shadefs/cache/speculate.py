@@ -1,7 +1,8 @@
 """Speculative prefetch: stage what a job with no announced order has not read this epoch.
 
 A plain shuffled DataLoader tells the daemon nothing of its order, but within an epoch each
-file not yet read will be read exactly once (sampling/epochs.py tracks that per job). So
+file not yet read will be read exactly once (the readers' tracker, readers/tracker.py,
+knows per job its universe, its epoch and what it read of it). So
 the unread, uncached files of a job's epoch are a prefetch target that the epoch never
 wastes. The speculator turns them into a *speculative plan* for the prefetcher
 (cache/prefetch.py): the unread files in a random order. The prefetcher stages them in its
@@ -14,21 +15,23 @@ from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
 
 Rules that keep it from ever slowing a job down:
 
-- a file the job read this epoch is never staged: the plan's entries are marked consumed as
-  the job's reads are taken in (`sync`, also called by the prefetcher before each round
-  and before it stages a fetched file), and the prefetcher skips consumed entries;
-- the plan is dropped when the job's reads stop (`idle` seconds without one), when its
-  epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
+- a file the job read this epoch is never staged: a plan is made of the tracker's unread
+  files, its entries are marked consumed as the job's logged opens are taken in (`sync`,
+  also called by the prefetcher before each round and before it stages a fetched file),
+  and the prefetcher skips consumed entries;
+- the plan is dropped when the job's reads stop (`idle` seconds without one), while the
+  tracker finds its epoch pattern broken (a file read twice before the epoch was
+  complete), when the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
   reader reads it in blocks or through, or whole from the SSD tier, not from staging.
 
-A new epoch (the job has read NEW_EPOCH of its files and reads one again) replaces the plan
-by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
-epoch began (cache/fetchlog.py). Also in the first, cold epoch: the universe is then the
-directories the job has read from so far, so staging starts after its first reads.
+A new epoch of the job (the tracker's) replaces the plan by a fresh one over the new
+epoch's unread files. Also in the first, cold epoch: the universe is then the directories
+the job has read from so far, so staging starts after its first reads. The speculator
+infers nothing itself: epochs, universes and unread files are the tracker's.
 """
 
 from __future__ import annotations
@@ -41,11 +44,10 @@ from typing import Protocol, overload
 import numpy as np
 import trio
 
-from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
-from shadefs.sampling.epochs import JobReads, Listing, ListingOf
-from shadefs.sampling.jobs import JobTable
+from shadefs.readers.part import Readers
+from shadefs.readers.tracker import Listing, Tracker
 
 
 class Cache(Protocol):
@@ -55,9 +57,7 @@ class Cache(Protocol):
     @property
     def prefetcher(self) -> Prefetcher | None: ...
     @property
-    def fetchlog(self) -> FetchLog: ...
-    @property
-    def jobs(self) -> JobTable: ...
+    def readers(self) -> Readers: ...
     @property
     def ram_max(self) -> int: ...
     @property
@@ -75,8 +75,8 @@ REPLAN = 0.25  # seconds between rebuilds of a plan whose universe grew
 class _Paths(Sequence[bytes]):
     """A plan's paths, built on demand from the job's listings (no list of paths).
 
-    It keeps the (listing, row) of each entry as the plan was made: the job's universe is
-    re-sorted when it grows, so indexes into it would go stale.
+    It keeps the (listing, row) of each entry as the plan was made: a refreshed listing
+    moves a file's `where` in the tracker, and the plan's paths must stay those it made.
     """
 
     def __init__(self, listings: list[Listing], where: np.ndarray) -> None:
@@ -105,9 +105,11 @@ class SpecPlan(Plan):
 
     speculative = True
 
-    def __init__(self, name: str, reads: JobReads, index: np.ndarray) -> None:
-        paths = _Paths(reads.listings, reads.where[index])
-        super().__init__(name, reads.keys[index], paths, reads.sizes[index])
+    def __init__(self, name: str, tracker: Tracker, index: np.ndarray) -> None:
+        """The plan of the files of tracker ids `index`, in that order."""
+        paths = _Paths(tracker.listings, tracker.where[index])
+        keys = tracker.keys[index].astype(np.uint64)
+        super().__init__(name, keys, paths, tracker.sizes[index])
 
     def observe(self, key: int, now: float) -> bool:
         return False  # `consume` takes the job's reads in batches instead
@@ -140,30 +142,27 @@ class SpecPlan(Plan):
 
 
 class Speculator:
-    """Takes in every job's reads, tracks its epochs, and keeps its speculative plan."""
+    """Keeps a speculative plan per job over the tracker's unread files of its epoch."""
 
     def __init__(
         self,
         cache: Cache,
-        listing_of: ListingOf,
         *,
         enabled: bool = True,
         idle: float = IDLE,
         seed: int | None = None,
     ) -> None:
         self.cache = cache
-        self.listing_of = listing_of
+        self.tracker = cache.readers.tracker
         self.enabled = enabled and cache.prefetcher is not None
         self.idle = idle
         self.rng = np.random.default_rng(seed)
-        self.tracks: dict[int, JobReads] = {}  # job row -> its reads
         self.plans: dict[int, SpecPlan] = {}
+        self._owner: dict[int, str] = {}  # job row -> the id of the job it served
         self._last_read: dict[int, float] = {}
-        self._last_key: dict[int, int] = {}  # the key of each job's latest open
-        self._planned_at: dict[int, float] = {}
+        self._planned: dict[int, tuple[int, int, float]] = {}  # row -> (epoch, universe, t)
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
-        cache.fetchlog.sync = self.sync
         if self.enabled and cache.prefetcher is not None:
             cache.prefetcher.before_round = self.sync
 
@@ -175,90 +174,76 @@ class Speculator:
             self.tend(time.monotonic())
 
     def sync(self) -> None:
-        """Take in every job's logged reads (the prefetcher calls this before each round)."""
+        """Take in every job's logged opens: they consume its plan's entries (the prefetcher
+        calls this before each round); a job whose epoch moved gets a fresh plan."""
         now = time.monotonic()
-        jobs = self.cache.jobs.jobs
-        for row in [r for r, t in self.tracks.items() if r not in jobs or jobs[r].id != t.job]:
+        self.tracker.settle()
+        jobs = self.cache.readers.jobs.jobs
+        for row in [r for r, o in self._owner.items() if r not in jobs or jobs[r].id != o]:
             self._forget(row)  # the job ended (its row may already serve another)
         for row, job in jobs.items():
             if not job.reads:
                 continue
             keys = np.frombuffer(job.reads, dtype=np.uint64).copy()
             del job.reads[:]
-            track = self.tracks.get(row)
-            if track is None:
-                track = self.tracks[row] = JobReads()
-                track.job = job.id
+            self._owner[row] = job.id
             self._last_read[row] = now
-            keys = self._reopens_dropped(row, keys)
-            if not len(keys):
-                continue
-            began = track.absorb(keys, self.listing_of)
-            if began:
-                self.cache.fetchlog.new_epoch()
-                log.debug("job %s: epoch %d begins", job.id, track.epochs)
-                self._spent.discard(row)
-                if row in self.plans:
-                    # A fresh plan over the new epoch's unread files; what is staged stays
-                    # (it is unread in this epoch too).
-                    self._plan(row, track, now)
             plan = self.plans.get(row)
-            if plan is not None:
+            if plan is None:
+                continue
+            if self._planned[row][0] != int(self.tracker.epoch[row]):
+                # A fresh plan over the new epoch's unread files; what is staged stays
+                # (it is unread in this epoch too).
+                self._spent.discard(row)
+                self._plan(row, now)
+            else:
                 plan.consume(keys, now)
-
-    def _reopens_dropped(self, row: int, keys: np.ndarray) -> np.ndarray:
-        """`keys` without the opens that repeat the job's previous one: a reader that opens
-        a file again at once (Parquet reads the footer, closes and reopens) reads it once,
-        and taking the reopen for a second read would break the epoch's pattern."""
-        keep = np.ones(len(keys), dtype=bool)
-        keep[1:] = keys[1:] != keys[:-1]
-        keep[0] = int(keys[0]) != self._last_key.get(row, -1)
-        self._last_key[row] = int(keys[-1])
-        return keys[keep]
 
     def tend(self, now: float) -> None:
         """Drop the plans that must stop; make or rebuild those that should run."""
         pf = self.cache.prefetcher
         if not self.enabled or pf is None:
             return
+        t = self.tracker
         known = any(not p.speculative for p in pf.plans.values())
-        for row, track in self.tracks.items():
+        for row in self._owner:
             plan = self.plans.get(row)
-            if known or track.paused or now - self._last_read.get(row, 0.0) > self.idle:
+            if known or t.broken[row] or now - self._last_read.get(row, 0.0) > self.idle:
                 self._drop(row)
                 continue
             if plan is not None and plan.name not in pf.plans:
                 # The prefetcher ended it (all of it read, or abandoned): start afresh.
                 del self.plans[row]
                 plan = None
-            if track.grown:
+            epoch, size, at = self._planned.get(row, (-1, -1, 0.0))
+            grown = int(t.size[row]) != size
+            if grown or epoch != int(t.epoch[row]):
                 self._spent.discard(row)
-            stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
+            stale = grown and now - at >= REPLAN
             if (plan is None and row not in self._spent) or stale:
-                self._plan(row, track, now)
+                self._plan(row, now)
 
-    def _plan(self, row: int, track: JobReads, now: float) -> None:
+    def _plan(self, row: int, now: float) -> None:
         pf = self.cache.prefetcher
         assert pf is not None
-        track.grown = False
-        self._planned_at[row] = now
-        index = track.unread()
+        t = self.tracker
+        self._planned[row] = (int(t.epoch[row]), int(t.size[row]), now)
+        index = t.unread(row)
         # Only what an open would take from staging and the RAM tier could keep: a file
         # above that is read in blocks (a block at a time, to RAM or SSD), through, or
         # whole while open handles leave room; a staged copy of it is mostly fetched
         # twice (and never taken when its blocks are on the SSD already).
         cache = self.cache
-        index = index[track.sizes[index] <= min(cache.ram_max, cache.handle_limit)]
+        index = index[t.sizes[index] <= min(cache.ram_max, cache.handle_limit)]
         if len(index):
-            cached = np.isin(track.keys[index], self.cache.resident_keys())
+            cached = np.isin(t.keys[index].astype(np.uint64), cache.resident_keys())
             index = index[~cached]
         if not len(index):
             self._drop(row)
             self._spent.add(row)
             return
         index = self.rng.permutation(index)
-        job = self.cache.jobs.jobs[row]
-        plan = SpecPlan(f"speculate:{job.id}", track, index)
+        plan = SpecPlan(f"speculate:{self._owner[row]}", t, index)
         old = self.plans.get(row)
         if old is not None:
             plan.rate = old.rate  # the job's pace carries over a rebuild
@@ -274,8 +259,7 @@ class Speculator:
 
     def _forget(self, row: int) -> None:
         self._drop(row)
-        self.tracks.pop(row, None)
+        self._owner.pop(row, None)
         self._last_read.pop(row, None)
-        self._last_key.pop(row, None)
-        self._planned_at.pop(row, None)
+        self._planned.pop(row, None)
         self._spent.discard(row)

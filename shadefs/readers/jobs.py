@@ -18,9 +18,9 @@ A job with no reads for `idle` seconds is over: `expire` drops it and returns it
 
 The pid -> job mapping is cached, so the hit path reads /proc only for a pid it has not
 seen, and reads no clock: the reads are counted in the job, and a periodic `expire` (the
-cache runs it a few times per idle period) turns a changed count into a `last_seen`, ends
-the idle jobs, and re-checks each cached pid's start time, so that a reused pid (or one
-that exited) is resolved afresh.
+readers' sweep, readers/part.py, runs it a few times per idle period) turns a changed
+count into a `last_seen`, ends the idle jobs, and re-checks each cached pid's start
+time, so that a reused pid (or one that exited) is resolved afresh.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class Job:
     last_seen: float = 0.0  # time.monotonic() of its last read (to the sweep period)
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
-    # The keys it opened since the read tracker last took them (sampling/epochs.py): the
-    # hit path appends one machine word, the tracker reads them in batches.
+    # The keys it opened since the speculator last took them (its plans' entries are
+    # consumed in batches, cache/speculate.py): the hit path appends one machine word.
     reads: array[int] = field(default_factory=lambda: array("Q"))
 
 
