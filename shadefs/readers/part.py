@@ -67,9 +67,10 @@ class Readers:
     def read(self, key: int, pid: int) -> Job:
         """An open of `key` by reader `pid` (the cache's hit path: keep it short): its job,
         with the read counted in the pending reads, the tracker and the job's log."""
-        jobs = self.jobs
+        jobs, pending = self.jobs, self.pending
         job = jobs.pids.get(pid) or jobs.job_of(pid)
-        self.pending.read(key, job.row)  # before the policies hear of the read
+        if pending.epoch >= 0:  # some known order counts reads: take this one off
+            pending.read(key, job.row)
         self.tracker.read(key, job.row)
         job.reads.append(key)  # the speculator's plans take them in (cache/speculate.py)
         return job

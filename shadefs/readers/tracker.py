@@ -91,18 +91,20 @@ class Tracker:
         self.done = np.zeros(cap, dtype=np.int32)
         self.listings: list[Listing] = []  # only ever appended to
         self._listed: dict[bytes, int] = {}  # a listing's path -> its index (directories)
-        # Per job row.
+        # Per job row: numpy over files, plain lists of scalars per job (a handful).
         self.last = np.zeros((1, cap), dtype=np.int64)
         self.universe = np.zeros((1, cap), dtype=bool)
-        self.epoch = np.zeros(1, dtype=np.int64)
-        self.explicit = np.zeros(1, dtype=bool)
-        self.count = np.zeros(1, dtype=np.int64)  # files of its universe read this epoch
-        self.size = np.zeros(1, dtype=np.int64)  # files in its universe
-        self.broken = np.zeros(1, dtype=bool)
-        self.epochs = np.zeros(1, dtype=np.int64)  # boundaries inferred or announced
-        self.breaks = np.zeros(1, dtype=np.int64)
-        self._prev: list[int] = [-1 << 63]  # the key of each job's latest open
-        self._dirs: list[set[int]] = [set()]  # the listings in each job's universe
+        self._rows()
+        self.epoch: list[int] = []
+        self.explicit: list[bool] = []
+        self.count: list[int] = []  # files of its universe read this epoch
+        self.size: list[int] = []  # files in its universe
+        self.broken: list[bool] = []
+        self.epochs: list[int] = []  # boundaries inferred or announced
+        self.breaks: list[int] = []
+        self._prev: list[int] = []  # the key of each job's latest open
+        self._dirs: list[set[int]] = []  # the listings in each job's universe
+        self._grow_rows(0)
         self.active: dict[int, None] = {}  # rows of the jobs that read, in arrival order
         self.ranks = 1  # len(active) + 1: the base of a rank (want * ranks + done)
         # The epoch (and whether announced) a job starts in: what `announce` to every
@@ -112,6 +114,15 @@ class Tracker:
         self.boundaries = 0  # every job's new epochs, counted (the fetch log's boundary)
         self.generation = 0  # bumped at every recount: the policies re-rank
         self._unsettled: array[int] = array("q")  # (row, key) pairs read but not listed
+        # The key, id and rank of the latest read, for the policies' `accessed` that follows
+        # it (read_key -1: look them up).
+        self.read_key = self.read_id = -1
+        self.read_rank = 0
+
+    def _rows(self) -> None:
+        """One-dimensional views of each row (an index into one is cheaper than into two)."""
+        self._last = list(self.last)
+        self._universe = list(self.universe)
 
     # --- ids ------------------------------------------------------------------------------
 
@@ -129,6 +140,10 @@ class Tracker:
             new = np.zeros((old.shape[0], cap), dtype=old.dtype)
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
+        self._rows()
+
+    def _minus_one(self) -> np.ndarray:
+        return np.array(self.epoch, dtype=np.int64) - 1
 
     def id(self, key: int) -> int:
         """The dense id of `key`, made on first sight: wanted by every active job."""
@@ -140,7 +155,7 @@ class Tracker:
             self.n += 1
             self.id_of[key] = i
             self.keys[i] = key
-            self.last[:, i] = self.epoch - 1
+            self.last[:, i] = self._minus_one()
             self.want[i] = len(self.active)
         return i
 
@@ -154,7 +169,7 @@ class Tracker:
             self.n += m
             id_of.update(zip(fresh, range(start, start + m), strict=True))
             self.keys[start : start + m] = fresh
-            self.last[:, start : start + m] = (self.epoch - 1)[:, None]
+            self.last[:, start : start + m] = self._minus_one()[:, None]
             self.want[start : start + m] = len(self.active)
         return np.fromiter((id_of[k] for k in keys.tolist()), np.int64, len(keys))
 
@@ -166,13 +181,17 @@ class Tracker:
         for name in ("last", "universe"):
             arr = getattr(self, name)
             new = np.zeros((rows, arr.shape[1]), dtype=arr.dtype)
-            new[:old] = arr
+            new[: arr.shape[0]] = arr
             setattr(self, name, new)
-        for name in ("epoch", "explicit", "count", "size", "broken", "epochs", "breaks"):
-            arr = getattr(self, name)
-            setattr(self, name, np.concatenate([arr, np.zeros(rows - old, arr.dtype)]))
-        self._prev += [-1 << 63] * (rows - old)
-        self._dirs += [set() for _ in range(rows - old)]
+        self._rows()
+        more = rows - old
+        self.epoch += [0] * more
+        self.explicit += [False] * more
+        self.broken += [False] * more
+        for name in ("count", "size", "epochs", "breaks"):
+            getattr(self, name).extend([0] * more)
+        self._prev += [-1 << 63] * more
+        self._dirs += [set() for _ in range(more)]
 
     def join(self, row: int) -> None:
         """Job `row` starts reading: it wants every file (its row may be a reused one)."""
@@ -182,8 +201,8 @@ class Tracker:
         self.explicit[row] = self.start_explicit
         self.last[row, : self.n] = self.start_epoch - 1
         self.universe[row, : self.n] = False
-        for name in ("count", "size", "broken", "epochs", "breaks"):
-            getattr(self, name)[row] = 0
+        self.count[row] = self.size[row] = self.epochs[row] = self.breaks[row] = 0
+        self.broken[row] = False
         self._prev[row] = -1 << 63
         self._dirs[row] = set()
         self.active[row] = None
@@ -199,7 +218,7 @@ class Tracker:
         n = self.n
         rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
         last = self.last[rows, :n]
-        e = self.epoch[rows][:, None]
+        e = np.array(self.epoch, dtype=np.int64)[rows][:, None]
         self.want[:n] = (last == e - 1).sum(axis=0)
         self.done[:n] = (last >= e).sum(axis=0)
         self.ranks = len(rows) + 1
@@ -207,14 +226,16 @@ class Tracker:
 
     def epochs_of(self) -> dict[int, int]:
         """The epoch of every active job (stats.json `jobs`)."""
-        return {row: int(self.epoch[row]) for row in self.active}
+        return {row: self.epoch[row] for row in self.active}
 
     # --- reads ----------------------------------------------------------------------------
 
     def read(self, key: int, row: int) -> bool:
-        """Job `row` opened `key`; True when that began the job's next epoch (inferred)."""
+        """Job `row` opened `key`; True when that began the job's next epoch (inferred).
+        The hit path: a dict lookup and a few scalar updates of numpy columns."""
         if row not in self.active:
             self.join(row)
+        self.read_key = -1
         prev = self._prev
         if prev[row] == key:
             return False  # a reopen of the file it opened last: one read
@@ -222,20 +243,27 @@ class Tracker:
         i = self.id_of.get(key)
         if i is None:
             i = self.id(key)
-        if not self.universe[row, i]:
-            self.universe[row, i] = True
+        universe = self._universe[row]
+        if not universe[i]:
+            universe[i] = True
             self.size[row] += 1
             if key >= 0 and len(self._unsettled) < _SETTLE_MAX:
                 self._unsettled.extend((row, key))  # its directory may join the universe
-        e = int(self.epoch[row])
-        last = int(self.last[row, i])
-        if last >= e:
+        e = self.epoch[row]
+        last = self._last[row]
+        was = last[i]
+        if was >= e:
             return self._reread(row, i, e)
-        if last == e - 1:
-            self.want[i] -= 1
-        self.done[i] += 1
-        self.last[row, i] = e
+        want, done = self.want, self.done
+        w = int(want[i])
+        if was == e - 1:
+            w -= 1
+            want[i] = w
+        d = int(done[i]) + 1
+        done[i] = d
+        last[i] = e
         self.count[row] += 1
+        self.read_key, self.read_id, self.read_rank = key, i, w * self.ranks + d
         return False
 
     def _reread(self, row: int, i: int, e: int) -> bool:
@@ -303,7 +331,7 @@ class Tracker:
         return np.flatnonzero(mask)
 
     def read_this_epoch(self, row: int, i: int) -> bool:
-        return bool(self.last[row, i] >= self.epoch[row])
+        return bool(self._last[row][i] >= self.epoch[row])
 
     def path(self, i: int) -> bytes:
         w = int(self.where[i])

@@ -49,8 +49,7 @@ class EpochPolicy(Policy):
         super().__init__()
         self.tracker = tracker if tracker is not None else Tracker()
         self.pending = pending
-        # Per id: the rank of the bucket a resident entry sits in, -1 when not resident.
-        self._at = np.full(64, -1, dtype=np.int64)
+        self._rank: dict[int, int] = {}  # resident id -> the rank of its bucket
         self._buckets: dict[int, dict[int, None]] = {}  # rank -> resident ids, oldest first
         self._generation = self.tracker.generation
 
@@ -67,33 +66,25 @@ class EpochPolicy(Policy):
 
     # --- buckets -------------------------------------------------------------------------
 
-    def _id(self, key: int) -> int:
-        i = self.tracker.id(key)
-        if i >= len(self._at):
-            at = np.full(max(2 * len(self._at), i + 1), -1, dtype=np.int64)
-            at[: len(self._at)] = self._at
-            self._at = at
-        return i
-
-    def _place(self, i: int) -> None:
-        r = self.tracker.rank(i)
-        old = int(self._at[i])
+    def _place(self, i: int, r: int) -> None:
+        """Put resident id `i` in the bucket of rank `r`."""
+        old = self._rank.get(i)
         if old == r:
             return
-        if old >= 0:
+        if old is not None:
             self._unbucket(i, old)
         bucket = self._buckets.get(r)
         if bucket is None:
             bucket = self._buckets[r] = {}
         bucket[i] = None
-        self._at[i] = r
+        self._rank[i] = r
 
     def _unbucket(self, i: int, rank: int) -> None:
         bucket = self._buckets[rank]
         del bucket[i]
         if not bucket:
             del self._buckets[rank]
-        self._at[i] = -1
+        del self._rank[i]
 
     def _fresh(self) -> None:
         """Re-rank every resident entry if the tracker recounted since the last look."""
@@ -101,20 +92,21 @@ class EpochPolicy(Policy):
         if self._generation == t.generation:
             return
         self._generation = t.generation
-        live = np.flatnonzero(self._at >= 0)
+        live = np.fromiter(self._rank, dtype=np.int64, count=len(self._rank))
         rank = t.rank_ids(live)
-        self._at[live] = rank
+        self._rank = dict(zip(live.tolist(), rank.tolist(), strict=True))
         # One dict per distinct rank (a handful), filled at C speed.
-        self._buckets = {
-            r: dict.fromkeys(live[rank == r].tolist()) for r in np.unique(rank).tolist()
-        }
+        ranks = np.unique(rank).tolist()
+        self._buckets = {r: dict.fromkeys(live[rank == r].tolist()) for r in ranks}
 
     # --- what the cache tells ------------------------------------------------------------
 
     def inserted(self, key: int, size: int) -> None:
         super().inserted(key, size)
         self._fresh()
-        self._place(self._id(key))
+        t = self.tracker
+        i = t.id(key)
+        self._place(i, t.rank(i))
 
     def restored(self, key: int, size: int) -> None:
         # Found on disk after a restart: not a read, so every job still wants it.
@@ -123,16 +115,26 @@ class EpochPolicy(Policy):
     def removed(self, key: int) -> None:
         super().removed(key)
         i = self.tracker.id_of.get(key)
-        if i is not None and i < len(self._at) and self._at[i] >= 0:
-            self._unbucket(i, int(self._at[i]))
+        if i is not None and i in self._rank:
+            self._unbucket(i, self._rank[i])
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
-        # The tracker has taken the read in (the cache told it first): move the entry.
-        if self._generation != self.tracker.generation:
+        # The tracker has taken the read in (the cache told it first): move the entry to
+        # the bucket of its new rank, which the tracker computed with the read.
+        t = self.tracker
+        if self._generation != t.generation:
             self._fresh()
-        i = self.tracker.id_of.get(key)
-        if i is not None and i < len(self._at) and self._at[i] >= 0:
-            self._place(i)
+        if key == t.read_key:
+            i, r = t.read_id, t.read_rank
+            old = self._rank.get(i)
+            if old is None or old == r:
+                return  # not resident here, or its rank did not move (a replay)
+        else:
+            j = t.id_of.get(key)
+            if j is None or j not in self._rank:
+                return
+            i, r = j, t.rank(j)
+        self._place(i, r)
 
     # --- what the cache asks -------------------------------------------------------------
 
@@ -163,7 +165,7 @@ class EpochPolicy(Policy):
         if size <= free:
             return []
         self._fresh()
-        rank = self.tracker.rank(self._id(key))
+        rank = self.tracker.rank(self.tracker.id(key))
         keep = self.pending
         if keep is None:
             return self._victims(size - free, rank)
