@@ -75,10 +75,10 @@ class Readers:
         job.reads.append(key)  # the speculator's plans take them in (cache/speculate.py)
         return job
 
-    def read_block(self, key: int, pid: int = 0) -> None:
-        """A read of block `key` (cache/blocks.py): the tracker's, for the `epoch` policy."""
-        jobs = self.jobs
-        self.tracker.read(key, (jobs.pids.get(pid) or jobs.job_of(pid)).row)
+    def read_block(self, key: int) -> None:
+        """A read of block `key` (cache/blocks.py), for the `epoch` policy's ranks. A block
+        read names no reader: it counts for row 0 (the first job's), as it always did."""
+        self.tracker.read(key, 0)
 
     def row_of(self, pid: int) -> int | None:
         """The row of reader `pid`'s job; None (every job) for an unknown writer (pid 0)."""
