@@ -303,3 +303,19 @@ def test_a_reopen_straight_after_a_read_is_one_read() -> None:
         assert not t.broken[0] and int(t.breaks[0]) == 0 and int(t.count[0]) == 3
 
     trio.run(run)
+
+
+def test_no_speculation_for_a_job_that_announces_its_epochs() -> None:
+    # A sampler's job: its orders are known, and between two of them (or while it replays
+    # resident samples) its unread files are no guide to what it reads next.
+    source, cache, spec = _setup()
+    for key in (1, 2):
+        trio.run(_read, cache, source, key)
+    spec.sync()
+    spec.tend(time.monotonic())
+    assert spec.plans  # an unchanged job's unread files are staged
+    cache.begin_epoch(1, 0)  # the job announces its epoch
+    trio.run(_read, cache, source, 3)
+    spec.sync()
+    spec.tend(time.monotonic())
+    assert not spec.plans

@@ -21,7 +21,8 @@ Rules that keep it from ever slowing a job down:
   and the prefetcher skips consumed entries;
 - the plan is dropped when the job's reads stop (`idle` seconds without one), while the
   tracker finds its epoch pattern broken (a file read twice before the epoch was
-  complete), when the job ends,
+  complete), when the job announces its epochs (a sampler: its orders are known), when
+  the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
@@ -208,7 +209,10 @@ class Speculator:
         known = any(not p.speculative for p in pf.plans.values())
         for row in self._owner:
             plan = self.plans.get(row)
-            if known or t.broken[row] or now - self._last_read.get(row, 0.0) > self.idle:
+            # A job that announces its epochs has a sampler whose orders the daemon knows
+            # (or will): the clairvoyant prefetcher's, even between two of its orders.
+            idle = now - self._last_read.get(row, 0.0) > self.idle
+            if known or t.explicit[row] or t.broken[row] or idle:
                 self._drop(row)
                 continue
             if plan is not None and plan.name not in pf.plans:
