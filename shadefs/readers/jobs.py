@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shadefs.stats import JobStats
@@ -50,7 +51,7 @@ class Job:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
-    last_seen: float = 0.0  # time.monotonic() of its last read (to the sweep period)
+    last_seen: float = 0.0  # the table's clock at its last read (to the sweep period)
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
     # The keys it opened since the speculator last took them (its plans' entries are
@@ -138,8 +139,15 @@ def job_root(pid: int, proc: ProcInfo) -> int:
 class JobTable:
     """The active jobs, the pid -> job cache, and expiry after `idle` seconds without reads."""
 
-    def __init__(self, idle: float = DEFAULT_IDLE, proc: ProcInfo | None = None) -> None:
+    def __init__(
+        self,
+        idle: float = DEFAULT_IDLE,
+        proc: ProcInfo | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: seconds, for the idle times (tests hand trio's virtual clock)."""
         self.idle = idle
+        self.clock = clock
         self.proc = proc or ProcInfo()
         self.jobs: dict[int, Job] = {}  # row -> job
         self._by_id: dict[str, int] = {}
@@ -155,7 +163,7 @@ class JobTable:
             row = self._free.pop() if self._free else self._next_row
             if row == self._next_row:
                 self._next_row += 1
-            self.jobs[row] = Job(job_id, row, group, last_seen=time.monotonic())
+            self.jobs[row] = Job(job_id, row, group, last_seen=self.clock())
             self._by_id[job_id] = row
             log.debug("job %s started (row %d)", job_id, row)
         elif group:
@@ -245,7 +253,7 @@ class JobTable:
         return gone
 
     def describe(self, epoch_of: dict[int, int]) -> list[JobStats]:
-        now = time.monotonic()
+        now = self.clock()
         return [
             JobStats(
                 id=job.id,

@@ -15,7 +15,6 @@ but `describe`).
 from __future__ import annotations
 
 import logging
-import time
 
 import trio
 
@@ -55,11 +54,12 @@ class Readers:
 
     async def run(self) -> None:
         """Settle the universes often and sweep the idle jobs now and then, until cancelled."""
-        swept = time.monotonic()
+        clock = self.jobs.clock
+        swept = clock()
         while True:
             await trio.sleep(SETTLE)
             self.tracker.settle()
-            now = time.monotonic()
+            now = clock()
             if now - swept >= self.jobs.period:
                 swept = now
                 self.expire(now)
