@@ -90,6 +90,7 @@ class Tracker:
         self.want = np.zeros(cap, dtype=np.int32)
         self.done = np.zeros(cap, dtype=np.int32)
         self.listings: list[Listing] = []  # only ever appended to
+        self._listing_ids: list[np.ndarray] = []  # the ids of each listing's regular files
         self._listed: dict[bytes, int] = {}  # a listing's path -> its index (directories)
         # Per job row: numpy over files, plain lists of scalars per job (a handful).
         self.last = np.zeros((1, cap), dtype=np.int64)
@@ -160,9 +161,9 @@ class Tracker:
         return i
 
     def _ids(self, keys: np.ndarray) -> np.ndarray:
-        """The ids of `keys` (distinct), made for the unknown ones in one go."""
+        """The ids of `keys`, made for the unknown ones in one go."""
         id_of = self.id_of
-        fresh = [k for k in keys.tolist() if k not in id_of]
+        fresh = list(dict.fromkeys(k for k in keys.tolist() if k not in id_of))  # hard links
         if fresh:
             start, m = self.n, len(fresh)
             self._grow_ids(start + m)
@@ -368,12 +369,15 @@ class Tracker:
             modes = listing.rows["st_mode"].astype(np.int64)
             rows = np.flatnonzero((modes & 0o170000) == stat.S_IFREG)
             ids = self._ids(listing.ino[rows].astype(np.int64))
+            self._listing_ids.append(ids)
             self.sizes[ids] = listing.rows["st_size"][rows]
             self.where[ids] = (np.int64(index) << np.int64(32)) | rows.astype(np.int64)
         if index in self._dirs[row]:
             return False
         self._dirs[row].add(index)
-        listed = self.where[: self.n] >> 32 == index
-        self.universe[row, : self.n] |= listed
-        self.size[row] = int(self.universe[row, : self.n].sum())
+        # O(the listing), never O(every file): a dataset has many directories.
+        ids = self._listing_ids[index]
+        universe = self._universe[row]
+        self.size[row] += int(len(ids) - np.count_nonzero(universe[ids]))
+        universe[ids] = True
         return True
