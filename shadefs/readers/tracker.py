@@ -121,9 +121,13 @@ class Tracker:
         self.read_rank = 0
 
     def _rows(self) -> None:
-        """One-dimensional views of each row (an index into one is cheaper than into two)."""
-        self._last = list(self.last)
-        self._universe = list(self.universe)
+        """Memoryviews of the columns and of each row, for the read path: indexing one
+        gives a Python int or bool at a third of the cost of a numpy scalar (the numpy
+        arrays stay the storage; these share their memory and follow every regrowth)."""
+        self._last = [r.data for r in self.last]
+        self._universe = [r.data for r in self.universe]
+        self._want = self.want.data
+        self._done = self.done.data
 
     # --- ids ------------------------------------------------------------------------------
 
@@ -255,12 +259,12 @@ class Tracker:
         was = last[i]
         if was >= e:
             return self._reread(row, i, e)
-        want, done = self.want, self.done
-        w = int(want[i])
+        want, done = self._want, self._done
+        w = want[i]
         if was == e - 1:
             w -= 1
             want[i] = w
-        d = int(done[i]) + 1
+        d = done[i] + 1
         done[i] = d
         last[i] = e
         self.count[row] += 1
@@ -318,7 +322,7 @@ class Tracker:
     def rank(self, i: int) -> int:
         """The eviction rank of id `i` now: by the jobs that want it, then by those that
         consumed it (they read it next epoch); lower ranks go first."""
-        return int(self.want[i]) * self.ranks + int(self.done[i])
+        return int(self._want[i] * self.ranks + self._done[i])
 
     def rank_ids(self, ids: np.ndarray) -> np.ndarray:
         rank: np.ndarray = self.want[ids].astype(np.int64) * self.ranks + self.done[ids]
@@ -377,7 +381,7 @@ class Tracker:
         self._dirs[row].add(index)
         # O(the listing), never O(every file): a dataset has many directories.
         ids = self._listing_ids[index]
-        universe = self._universe[row]
+        universe = self.universe[row]
         self.size[row] += int(len(ids) - np.count_nonzero(universe[ids]))
         universe[ids] = True
         return True
