@@ -3,7 +3,7 @@
 `Service(opts)` builds the parts in the order data flows, each handed what it needs at
 construction and nothing wired afterwards:
 
-    source -> namespace -> sampling -> cache (builds its SSD tier and prefetcher)
+    source -> namespace -> sampling -> readers -> cache (builds its SSD tier and prefetcher)
            -> control (sees this object as a ControlService) -> operations (pyfuse3)
 
 `start(nursery)` starts every part's background tasks in the nursery the daemon hands it;
@@ -41,9 +41,10 @@ from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
+from shadefs.readers.jobs import JobTable
+from shadefs.readers.part import Readers
+from shadefs.readers.tracker import Listing
 from shadefs.sampling.builds import resident_among
-from shadefs.sampling.epochs import Listing
-from shadefs.sampling.jobs import JobTable
 from shadefs.sampling.registry import PathTable, Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
@@ -77,6 +78,9 @@ class Service:
         self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
         self.metrics = Metrics()
         self.sampling = Sampling()
+        self._nursery: trio.Nursery | None = None
+        self._listing_asked: set[int] = set()  # directories being listed for speculation
+        self.readers = Readers(JobTable(opts.job_idle), self.sampling.pending, self._listing_of)
         self._plan_epochs: dict[str, int] = {}  # a sweep group's plan name -> its epoch
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
@@ -95,14 +99,11 @@ class Service:
             ssd=ssd,
             key_of_ino=self.namespace.key_of_ino,
             prefetch=prefetch,
-            jobs=JobTable(opts.job_idle),
+            readers=self.readers,
             owns=self.sampling.owns_key,
-            pending=self.sampling.pending,
             block_size=block_size,
         )
-        self.speculator = Speculator(self.cache, self._listing_of, enabled=opts.speculate)
-        self._nursery: trio.Nursery | None = None
-        self._listing_asked: set[int] = set()  # directories being listed for speculation
+        self.speculator = Speculator(self.cache, enabled=opts.speculate)
         # Read-ahead inside large files shares the prefetch window's size.
         window = prefetch.window if prefetch is not None else 0
         self.blocks = Blocks(
@@ -134,7 +135,7 @@ class Service:
     def _listing_of(self, key: int) -> Listing | None:
         """The listing of the directory holding file `key`, if it was listed whole. A job
         that opens files by path never lists their directory: list it in the background,
-        once, so that the next call finds it (speculation, sampling/epochs.py)."""
+        once, so that the next call finds it (the readers' universes, readers/tracker.py)."""
         ns = self.namespace
         try:
             snap, _ = ns.locate(key)
@@ -167,8 +168,9 @@ class Service:
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
-        self.cache.start(nursery)
         self._nursery = nursery
+        self.readers.start(nursery)
+        self.cache.start(nursery)
         nursery.start_soon(self.speculator.run)
         nursery.start_soon(self.loop_lag.run)
         if self.prefetcher is not None:
@@ -198,10 +200,9 @@ class Service:
         )
 
     def jobs(self) -> tuple[JobStats, ...]:
-        """The active jobs (stats.json `jobs`), each with its epoch from the RAM policy.
-        Reading them changes nothing: the cache's sweep ends idle jobs."""
-        table = self.cache.jobs
-        return tuple(table.describe(self.cache.policy.job_epochs()))
+        """The active jobs (stats.json `jobs`), each with its epoch from the tracker.
+        Reading them changes nothing: the readers' sweep ends idle jobs."""
+        return tuple(self.readers.describe())
 
     # --- ControlService: what can be asked for -------------------------------------------
 
@@ -293,10 +294,10 @@ class Service:
 
     def _job_row(self, pid: int) -> int | None:
         # The job of a control request's writer; None (every job) when it is unknown.
-        return self.cache.jobs.row_of(pid) if pid > 0 else None
+        return self.readers.row_of(pid)
 
     def name_job(self, pid: int, name: str, group: str) -> None:
-        self.cache.name_job(pid, name, group)
+        self.readers.name_job(pid, name, group)
 
     def report(
         self,
@@ -333,12 +334,12 @@ class Service:
             return self.sampling.ingest(message)
 
     async def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
-        group = self.cache.jobs.group_of(pid) if pid > 0 else ""
+        group = self.readers.jobs.group_of(pid) if pid > 0 else ""
         with _refusing():
             share = await self.sampling.order_async(
                 request, self.cache.cached_keys, group, self._job_row(pid)
             )
-        members = self.cache.jobs.members(group) if group else 1
+        members = self.readers.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The

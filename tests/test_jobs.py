@@ -14,14 +14,23 @@ import numpy as np
 import pytest
 
 from shadefs.cache.policies import EpochPolicy
-from shadefs.sampling.jobs import JobTable, ProcInfo, job_root
+from shadefs.readers.jobs import JobTable, ProcInfo, job_root
 
 
 def interleaved(n: int, jobs: int, epochs: int, seed: int) -> list[tuple[int, int]]:
     """(job, key) reads: each job reads every key once per epoch in its own order, the jobs'
-    streams interleaved at random (so they drift apart)."""
+    streams interleaved at random (so they drift apart). No epoch starts with the file the
+    last one ended with (that would be a reopen: one read, readers/tracker.py)."""
     rng = np.random.default_rng(seed)
-    streams = [[int(k) for _ in range(epochs) for k in rng.permutation(n)] for _ in range(jobs)]
+    streams: list[list[int]] = []
+    for _ in range(jobs):
+        stream: list[int] = []
+        for _ in range(epochs):
+            perm = [int(k) for k in rng.permutation(n)]
+            if stream and perm[0] == stream[-1]:
+                perm[0], perm[1] = perm[1], perm[0]
+            stream += perm
+        streams.append(stream)
     pos = [0] * jobs
     out = []
     while any(p < len(s) for p, s in zip(pos, streams, strict=True)):
@@ -41,6 +50,7 @@ def drive(
     for t, (job, key) in enumerate(trace):
         hit = key in resident
         hits.append(hit)
+        policy.tracker.read(key, job)  # the cache tells the readers' tracker first
         policy.accessed(key, hit, job)
         if hit:
             continue
@@ -62,7 +72,12 @@ def test_per_job_epochs_with_interleaved_readers() -> None:
     policy = EpochPolicy()
     drive(policy, interleaved(n, 4, epochs, seed=1), capacity=40)
     # Every job is in its last epoch (0-based): no spurious epoch from another job's reads.
-    assert policy.job_epochs() == {0: epochs - 1, 1: epochs - 1, 2: epochs - 1, 3: epochs - 1}
+    assert policy.tracker.epochs_of() == {
+        0: epochs - 1,
+        1: epochs - 1,
+        2: epochs - 1,
+        3: epochs - 1,
+    }
     assert policy.describe().epoch == epochs - 1
 
 
@@ -73,7 +88,7 @@ def test_per_job_epochs_follow_each_jobs_own_pace() -> None:
     trace = [(0, int(k)) for _ in range(3) for k in rng.permutation(n)]
     trace += [(1, int(k)) for k in rng.permutation(n)]
     drive(policy, trace, capacity=30)
-    assert policy.job_epochs() == {0: 2, 1: 0}
+    assert policy.tracker.epochs_of() == {0: 2, 1: 0}
 
 
 def test_one_job_alone_is_the_single_job_policy() -> None:
@@ -88,17 +103,31 @@ def test_one_job_alone_is_the_single_job_policy() -> None:
 def test_the_policy_against_a_brute_force_demand_oracle(seed: int) -> None:
     n, jobs, epochs = 30, 3, 4
     trace = interleaved(n, jobs, epochs, seed)
-    # The oracle: each job's epoch is how many full passes it has made; the remaining
-    # demand of a key is the number of jobs that have not read it in their current epoch.
+    # The oracle: the rule in plain sets. A job's epoch ends when it reads again a file it
+    # read this epoch, after 90% of the files it knows (a reopen of its last file is no
+    # read); the remaining demand of a key is the number of jobs that have not read it in
+    # their current epoch.
     reads_so_far: list[list[int]] = [[] for _ in range(jobs)]
     checked = []
+
+    def this_epoch(reads: list[int]) -> set[int]:
+        current: set[int] = set()
+        known: set[int] = set()
+        prev = None
+        for k in reads:
+            if k == prev:
+                continue
+            prev = k
+            known.add(k)
+            if k in current and len(current) >= 0.9 * len(known):
+                current = set()
+            current.add(k)
+        return current
 
     def state(key: int) -> tuple[int, int]:
         wanted = consumed = 0
         for j in range(jobs):
-            done = len(reads_so_far[j]) % n
-            this_epoch = reads_so_far[j][len(reads_so_far[j]) - done :] if done else []
-            if key in this_epoch:
+            if key in this_epoch(reads_so_far[j]):
                 consumed += 1
             else:
                 wanted += 1
@@ -138,8 +167,8 @@ def test_a_job_that_ends_leaves_the_demand() -> None:
     policy = EpochPolicy()
     drive(policy, interleaved(50, 2, 2, seed=6), capacity=10)
     assert policy.shared
-    policy.job_ended(1)
-    assert not policy.shared and policy.job_epochs() == {0: 1}
+    policy.tracker.leave(1)
+    assert not policy.shared and policy.tracker.epochs_of() == {0: 1}
     assert policy.epoch == 1  # the single-job state is the remaining job's
 
 
@@ -363,19 +392,22 @@ def test_a_group_shares_one_order_per_epoch_whatever_the_table_does(tmp_path: Pa
 
 def test_what_a_known_order_still_reads_stays_for_misses_it_does_not_read() -> None:
     # Two jobs (members of a sweep group read known orders): entries with reads to come
-    # (sampling/pending.py) are never evicted for a miss without; such a miss takes any
+    # (readers/pending.py) are never evicted for a miss without; such a miss takes any
     # entry without, even one with more demand.
     to_come: set[int] = {1, 5}
-    policy = EpochPolicy(lambda key: key in to_come)
+    policy = EpochPolicy(pending=lambda key: key in to_come)
     resident: set[int] = set()
     for row in (0, 1):
-        policy.begin_epoch(0, row)
+        policy.tracker.announce(0, row)
     for key in (1, 2, 3):
+        policy.tracker.read(key, 0)
         policy.accessed(key, False, 0)
         policy.inserted(key, 1)
         resident.add(key)
     for key in (1, 2, 3):
+        policy.tracker.read(key, 1)
         policy.accessed(key, True, 1)  # both read 1-3: they least want 2 and 3
+    policy.tracker.read(4, 1)
     policy.accessed(4, False, 1)  # job 1's miss, that no order reads again
     assert policy.shared
     assert policy.admit(4, 1, 0) == [2]

@@ -11,9 +11,10 @@ import trio
 import trio.testing
 
 from shadefs.cache.coordinator import Cache
+from shadefs.readers.jobs import JobTable, ProcInfo
+from shadefs.readers.part import Readers
+from shadefs.readers.pending import PendingReads
 from shadefs.sampling import builds, wire
-from shadefs.sampling.jobs import JobTable, ProcInfo
-from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.stats import Metrics
 
@@ -183,8 +184,10 @@ def _cache(
         max_entry=SIZE,
         policy=policy,
         score_of=lambda key: scores[key],
-        pending=pending if kept else None,
-        **({"jobs": JobTable(proc=ProcInfo("/nonexistent"))} if jobs else {}),
+        readers=Readers(
+            JobTable(proc=ProcInfo("/nonexistent")) if jobs else None,
+            pending if kept else None,
+        ),
     )
     return source, pending, cache
 
@@ -239,7 +242,7 @@ def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy:
     # still reads epoch 0, which must keep what the second has still to read.
     n, lag = 40, 4
     source, pending, cache = _cache([0.5] * (2 * n), slots=10, policy=policy, jobs=True)
-    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    rows = [cache.readers.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
     rng = np.random.default_rng(3)
     orders = [rng.permutation(n), n + rng.permutation(n)]  # epoch 1 reads other files
     follower_misses: list[int] = []
@@ -259,7 +262,7 @@ def test_a_sweep_group_fetches_each_file_once_when_its_members_run_apart(policy:
                 assert data is not None
                 cache.unpin(data)
                 if member == 1 and i == n - 1:
-                    follower_misses.append(cache.jobs.jobs[row].misses)
+                    follower_misses.append(cache.readers.jobs.jobs[row].misses)
 
     trio.run(run)
     # The second member read all of epoch 0 from what the first fetched.
@@ -272,7 +275,7 @@ def test_members_further_apart_than_the_cache_bridges_are_counted() -> None:
     # the second still reads cannot all stay, and the stats say so.
     n, lag = 30, 8
     source, pending, cache = _cache([0.5] * n, slots=5, jobs=True)
-    rows = [cache.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
+    rows = [cache.readers.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2)]
     order = np.random.default_rng(4).permutation(n)
     for row in rows:
         pending.expect(0, order, row)

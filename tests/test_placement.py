@@ -199,7 +199,7 @@ def test_owned_admits_guests_only_into_free_room_and_evicts_them_first() -> None
     fresh.accessed(2, True)
     assert fresh.read == {2: None}
     epoch = make_policy("epoch", owns=lambda k: True)
-    assert isinstance(epoch.inner, EpochPolicy) and epoch.job_epochs() == {}
+    assert isinstance(epoch.inner, EpochPolicy) and epoch.tracker.epochs_of() == {}
     # Without guests (no multi-node job) a hit calls the inner policy directly.
     assert epoch.accessed == epoch.inner.accessed
     assert epoch.epoch == epoch.inner.epoch  # policy state reads through

@@ -20,6 +20,8 @@ def simulate(policy: Policy, sizes: np.ndarray, capacity: int, epochs: int, seed
             key = int(key)
             size = int(sizes[key])
             hit = key in resident
+            if isinstance(policy, EpochPolicy):
+                policy.tracker.read(key, 0)  # the cache tells the readers' tracker first
             policy.accessed(key, hit)
             if hit:
                 hits += 1
@@ -61,14 +63,22 @@ def test_lru_thrashes_under_shuffled_epochs() -> None:
     assert 0.005 < steady < 0.045, ratios
 
 
+def _read(p: EpochPolicy, key: int, hit: bool = True, job: int = 0) -> None:
+    """A read as the cache reports it: to the readers' tracker, then to the policy."""
+    p.tracker.read(key, job)
+    p.accessed(key, hit, job)
+
+
 def test_epoch_policy_infers_epochs_and_protects_unread() -> None:
     p = EpochPolicy()
     for k in range(3):
+        _read(p, k, hit=False)
         p.inserted(k, 10)
     assert p.epoch == 0
-    p.accessed(0, True)  # 0 was read in epoch 0 when inserted: a new pass began
+    _read(p, 0)  # 0 was read in epoch 0, and so was all the job read: a new pass began
     assert p.epoch == 1
     # 1 and 2 were read last epoch and not yet this one: protected, not victims.
+    _read(p, 99, hit=False)
     assert p.admit(99, 10, 0) is None
     # Shrinking takes the consumed entry (0) before the protected ones.
     assert p.shrink(10) == [0]
@@ -77,17 +87,21 @@ def test_epoch_policy_infers_epochs_and_protects_unread() -> None:
 
 def test_epoch_policy_evicts_stale_entries_for_new_files() -> None:
     p = EpochPolicy()
-    p.inserted(1, 10)
-    p.inserted(2, 10)
-    p.begin_epoch(3)  # neither was read in epochs 1-2: they are no longer being read
+    for k in (1, 2):
+        _read(p, k, hit=False)
+        p.inserted(k, 10)
+    p.tracker.announce(3)  # neither was read in epochs 1-2: they are no longer being read
     assert p.admit(3, 15, 0) == [1, 2]
 
 
 def test_explicit_epochs_switch_off_inference() -> None:
     p = EpochPolicy()
-    p.begin_epoch(0)
+    p.tracker.announce(0)
+    _read(p, 1, hit=False)
     p.inserted(1, 10)
-    p.accessed(1, True)  # a replay within the same epoch, not a new epoch
+    _read(p, 1)  # a replay within the same epoch, not a new epoch
+    _read(p, 2, hit=False)
+    _read(p, 1, hit=False)
     assert p.epoch == 0
 
 
@@ -112,9 +126,9 @@ def test_restored_entries_are_protected_and_do_not_start_epochs() -> None:
     for k in range(5):
         p.restored(k, 10)
     for k in range(5):
-        p.accessed(k, True)  # first reads after a restart: still epoch 0
+        _read(p, k)  # first reads after a restart: still epoch 0
     assert p.epoch == 0
-    p.accessed(0, True)  # read again in the same pass: now a new epoch has begun
+    _read(p, 0)  # read again after the whole pass: now a new epoch has begun
     assert p.epoch == 1
 
 

@@ -411,6 +411,7 @@ def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
     async def run() -> None:
         source = _CountingSource(delay=0)
         cache = _cache(source)
+        cache.begin_epoch(0)  # announced: a re-read is a replay within the epoch
         for key in (1, 2, 1):
             await cache.open(key, b"p%d" % key, source.stat(key))
             cache.drop()
@@ -419,6 +420,18 @@ def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
         await cache.open(2, b"p2", source.stat(2))
         stats = cache.describe().fetches
         assert (stats.source_fetches, stats.refetches) == (4, 1)
+
+    trio.run(run)
+
+
+def test_an_inferred_epoch_forgets_the_fetches_of_the_last() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0)
+        cache = _cache(source)
+        for key in (1, 2, 3, 1, 2):  # 1 again after all three: the job's next epoch
+            await cache.open(key, b"p%d" % key, source.stat(key))
+            cache.drop()
+        assert cache.fetchlog.refetches == 0 and cache.readers.tracker.epochs_of() == {0: 1}
 
     trio.run(run)
 

@@ -1,4 +1,4 @@
-"""Speculative prefetch for jobs with no announced order, and the per-job epoch tracking."""
+"""Speculative prefetch for jobs with no announced order, over the readers' epoch tracker."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import time
 import numpy as np
 import trio
 
-from shadefs.cache.prefetch import Plan
+from shadefs.cache.coordinator import Cache
+from shadefs.cache.prefetch import Plan, PrefetchSettings
 from shadefs.cache.speculate import Speculator
-from shadefs.sampling.epochs import JobReads
-from tests.test_prefetch import _cache, _CountingSource
+from shadefs.readers.part import Readers
+from shadefs.readers.tracker import ListingOf, Tracker
+from shadefs.stats import Metrics
+from tests.test_prefetch import _CountingSource
 
 SIZE = 1000
 
@@ -40,47 +43,94 @@ def _listings(*dirs: FakeListing):
 # --- the epoch tracker ----------------------------------------------------------------------
 
 
+def _feed(t: Tracker, keys: list[int], row: int = 0) -> int:
+    """Job `row` reads `keys` in order, then the universes settle; new epochs begun."""
+    began = sum(t.read(k, row) for k in keys)
+    t.settle()
+    return began
+
+
+def _unread(t: Tracker, row: int = 0) -> set[int]:
+    return set(t.keys[t.unread(row)].tolist())
+
+
 def test_a_shuffled_epoch_then_a_reread_begins_a_new_epoch() -> None:
     d = FakeListing(b"a", list(range(1, 21)))
-    reads = JobReads()
+    t = Tracker(_listings(d))
     order = random.Random(1).sample(range(1, 21), 20)
-    assert reads.absorb(np.array(order[:7], dtype=np.uint64), _listings(d)) == 0
-    assert len(reads) == 20 and reads.count == 7  # the subdirectory is not a file
-    assert set(reads.keys[reads.unread()].tolist()) == set(order[7:])
+    assert _feed(t, order[:7]) == 0
+    assert int(t.size[0]) == 20 and int(t.count[0]) == 7  # the subdirectory is not a file
+    assert _unread(t) == set(order[7:])
     nxt = random.Random(2).sample(range(1, 21), 20)
-    # The epoch ends and the next one starts within one batch.
-    assert reads.absorb(np.array(order[7:] + nxt[:3], dtype=np.uint64), _listings(d)) == 1
-    assert reads.count == 3 and not reads.paused and reads.epochs == 1
+    nxt.remove(order[-1])  # (a reopen of the last file is one read)
+    # The epoch ends and the next one starts.
+    assert _feed(t, order[7:] + nxt[:3]) == 1
+    assert int(t.count[0]) == 3 and not t.broken[0] and int(t.epoch[0]) == 1
 
 
 def test_a_file_read_twice_early_breaks_the_pattern() -> None:
     d = FakeListing(b"a", list(range(1, 21)))
-    reads = JobReads()
-    assert reads.absorb(np.array([1, 2, 3, 2], dtype=np.uint64), _listings(d)) == 0
-    assert reads.paused and reads.breaks == 1
-    # Sampling with replacement keeps it paused: re-reads come long before 90% is read.
-    reads.absorb(np.array([5, 6, 5, 7, 8, 7], dtype=np.uint64), _listings(d))
-    assert reads.paused and reads.epochs == 0
+    t = Tracker(_listings(d))
+    _feed(t, [1])
+    assert _feed(t, [2, 3, 2]) == 0
+    assert t.broken[0] and int(t.breaks[0]) == 1
+    # Sampling with replacement keeps it broken: re-reads come long before 90% is read.
+    _feed(t, [5, 6, 5, 7, 8, 7])
+    assert t.broken[0] and int(t.epoch[0]) == 0
+
+
+def test_an_announced_epoch_wins_over_inference() -> None:
+    t = Tracker()
+    for k in (1, 2, 3, 1, 2):
+        t.read(k, 0)
+    assert int(t.epoch[0]) == 1  # inferred: 1 again after the whole universe
+    t.announce(5, 0)
+    for k in (1, 2, 3, 1, 2, 3):
+        t.read(k, 0)
+    assert int(t.epoch[0]) == 5 and not t.broken[0]  # replays of the sampler's epoch
 
 
 def test_the_universe_grows_with_each_directory_read() -> None:
     a, b = FakeListing(b"a", [1, 2, 3]), FakeListing(b"b", [10, 11])
-    reads = JobReads()
-    reads.absorb(np.array([2], dtype=np.uint64), _listings(a, b))
-    assert reads.keys.tolist() == [1, 2, 3]
-    reads.absorb(np.array([11, 1], dtype=np.uint64), _listings(a, b))
-    assert reads.keys.tolist() == [1, 2, 3, 10, 11]
-    assert reads.read.tolist() == [True, True, False, False, True]
-    assert reads.path(4) == b"p11"
+    t = Tracker(_listings(a, b))
+    _feed(t, [2])
+    assert _unread(t) == {1, 3}
+    _feed(t, [11, 1])
+    assert int(t.size[0]) == 5 and _unread(t) == {3, 10}
+    assert t.path(t.id_of[11]) == b"p11"
+
+
+def test_demand_counts_follow_every_read_in_constant_time() -> None:
+    t = Tracker()
+    for k in (1, 2):
+        t.read(k, 0)
+    t.read(1, 1)  # a second job: it still wants 2, and has consumed 1
+    one, two = t.id_of[1], t.id_of[2]
+    assert (int(t.want[one]), int(t.done[one])) == (0, 2)
+    assert (int(t.want[two]), int(t.done[two])) == (1, 1)
+    assert t.rank(two) > t.rank(one)
+    t.leave(1)
+    assert (int(t.want[two]), int(t.done[two])) == (0, 1)
 
 
 # --- speculation over a cache ---------------------------------------------------------------
 
 
+def _cache(source: _CountingSource, listing_of: ListingOf, window: int) -> Cache:
+    # Room for 8 files (one file may take an eighth of the budget).
+    return Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=8000,
+        prefetch=PrefetchSettings(window),
+        readers=Readers(listing_of=listing_of),
+    )
+
+
 def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE):
     source = _CountingSource(delay=0.005)
-    cache = _cache(source, window=window)
-    spec = Speculator(cache, _listings(FakeListing(b"d", list(range(1, n + 1)))), idle=idle, seed=0)
+    cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window)
+    spec = Speculator(cache, idle=idle, seed=0)
     return source, cache, spec
 
 
@@ -143,32 +193,36 @@ def test_a_broken_pattern_drops_the_plan_and_a_new_epoch_replans() -> None:
         source, cache, spec = _setup(n=20, window=100 * SIZE)
         pf = cache.prefetcher
         assert pf is not None
-        for key in (1, 2, 1):  # read twice at 2 of 20: not an epoch
+        t = cache.readers.tracker
+        await _read(cache, source, 1)
+        spec.sync()  # the directory joins the job's universe
+        for key in (2, 1):  # read twice at 2 of 20: not an epoch
             await _read(cache, source, key)
         spec.sync()
         spec.tend(time.monotonic())
-        assert not spec.plans and spec.tracks[0].paused
+        assert not spec.plans and t.broken[0]
         for key in range(3, 21):  # the rest of the files, then one of them again
             await _read(cache, source, key)
         await _read(cache, source, 5)
         spec.sync()
         spec.tend(time.monotonic())
-        assert spec.tracks[0].epochs == 1 and not spec.tracks[0].paused
+        assert int(t.epoch[0]) == 1 and not t.broken[0]
         assert spec.plans and len(spec.plans[0]) <= 19  # the new epoch's unread files
 
     trio.run(run)
 
 
 def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
-    source, cache, _ = _setup()
+    source = _CountingSource(delay=0.005)
+    cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3])), 20 * SIZE)
     pf = cache.prefetcher
     assert pf is not None
-    off = Speculator(cache, _listings(FakeListing(b"d", [1, 2, 3])), enabled=False)
+    off = Speculator(cache, enabled=False)
     trio.run(_read, cache, source, 1)
     off.sync()
     off.tend(time.monotonic())
-    assert not off.plans and len(cache.jobs.jobs[0].reads) == 0  # read in, nothing planned
-    on = Speculator(cache, _listings(FakeListing(b"d", [1, 2, 3])))
+    assert not off.plans and len(cache.readers.jobs.jobs[0].reads) == 0  # read in, no plan
+    on = Speculator(cache)
     trio.run(_read, cache, source, 2)
     pf.add_plan(Plan("sampler", np.array([3], dtype=np.uint64), [b"p3"], np.array([SIZE])))
     on.sync()
@@ -182,44 +236,50 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
 def test_reads_from_a_directory_listed_later_count_as_read() -> None:
     a = FakeListing(b"a", [1, 2, 3, 4])
     listed: dict[int, FakeListing] = {}
-    reads = JobReads()
-    reads.absorb(np.array([2, 3], dtype=np.uint64), lambda key: listed.get(key))
-    assert len(reads) == 0  # not listed yet: nothing known
+    t = Tracker(lambda key: listed.get(key))
+    _feed(t, [2, 3])
+    assert _unread(t) == set()  # not listed yet: nothing known beyond the reads
     listed.update({k: a for k in (1, 2, 3, 4)})  # the background listing arrives
-    reads.absorb(np.array([4], dtype=np.uint64), lambda key: listed.get(key))
-    assert reads.keys[reads.unread()].tolist() == [1]  # 2 and 3 were read before
+    _feed(t, [4])
+    assert _unread(t) == {1}  # 2 and 3 were read before
 
 
-def test_a_plans_paths_survive_the_universe_growing() -> None:
+def test_a_plans_paths_survive_a_refreshed_listing() -> None:
     from shadefs.cache.speculate import SpecPlan
 
     a, b = FakeListing(b"a", [5, 6, 7]), FakeListing(b"b", [1, 2])
-    reads = JobReads()
-    reads.absorb(np.array([5], dtype=np.uint64), _listings(a, b))
-    plan = SpecPlan.over("s", reads, reads.unread())
-    reads.absorb(np.array([1], dtype=np.uint64), _listings(a, b))  # re-sorts the universe
+    by_key = {5: a, 6: a, 7: a, 1: b, 2: b}
+    t = Tracker(lambda key: by_key.get(key))
+    _feed(t, [5])
+    plan = SpecPlan.over("s", t, t.unread(0))
+    a2 = FakeListing(b"a", [5, 6, 7, 8])  # the directory is listed afresh
+    by_key.update({k: a2 for k in (5, 6, 7, 8)})
+    _feed(t, [1], row=1)
+    _feed(t, [8], row=1)
     assert [plan.paths[i] for i in range(len(plan))] == [b"p%d" % k for k in plan.keys]
 
 
-def test_a_reused_job_row_starts_a_fresh_track() -> None:
+def test_a_reused_job_row_starts_afresh() -> None:
     source, cache, spec = _setup(n=20)
     trio.run(_read, cache, source, 1)
     spec.sync()
-    first = spec.tracks[0]
-    job = cache.jobs.jobs[0]
-    job.id = "another job"  # its row now serves a new job
-    job.reads.append(1)
+    readers = cache.readers
+    now = time.monotonic()
+    readers.expire(now)  # the sweep notes its reads
+    assert readers.expire(now + readers.jobs.idle + 1) == [0]  # then idle: the job ends
     spec.sync()
-    assert spec.tracks[0] is not first and spec.tracks[0].count == 1
+    assert 0 not in spec._owner
+    trio.run(_read, cache, source, 2)  # a new job takes row 0
+    assert int(readers.tracker.count[0]) == 1
 
 
 def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> None:
     async def run() -> None:
         source = _CountingSource(delay=0.005)
-        cache = _cache(source, window=200 * SIZE)
         d = FakeListing(b"d", list(range(1, 41)))
         d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
-        spec = Speculator(cache, _listings(d), seed=0)
+        cache = _cache(source, _listings(d), 200 * SIZE)
+        spec = Speculator(cache, seed=0)
         assert cache.ram_max < 2 * SIZE
         for key in (3, 5):
             await _read(cache, source, key)
@@ -239,8 +299,8 @@ def test_a_reopen_straight_after_a_read_is_one_read() -> None:
             if key == 3:
                 spec.sync()  # a batch boundary between the two opens of 3
         spec.sync()
-        (track,) = spec.tracks.values()
-        assert not track.paused and track.breaks == 0 and track.count == 3
+        t = cache.readers.tracker
+        assert not t.broken[0] and int(t.breaks[0]) == 0 and int(t.count[0]) == 3
 
     trio.run(run)
 
@@ -280,3 +340,19 @@ def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
     for _ in range(40):
         kernel.served(True)
     assert kernel.trusted
+
+
+def test_no_speculation_for_a_job_that_announces_its_epochs() -> None:
+    # A sampler's job: its orders are known, and between two of them (or while it replays
+    # resident samples) its unread files are no guide to what it reads next.
+    source, cache, spec = _setup()
+    for key in (1, 2):
+        trio.run(_read, cache, source, key)
+    spec.sync()
+    spec.tend(time.monotonic())
+    assert spec.plans  # an unchanged job's unread files are staged
+    cache.begin_epoch(1, 0)  # the job announces its epoch
+    trio.run(_read, cache, source, 3)
+    spec.sync()
+    spec.tend(time.monotonic())
+    assert not spec.plans

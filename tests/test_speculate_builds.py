@@ -14,8 +14,8 @@ import trio.testing
 
 from shadefs.cache import speculate
 from shadefs.cache.speculate import PERIOD, SpecPlan, Speculator
-from tests.test_prefetch import _cache, _CountingSource
-from tests.test_speculate import SIZE, FakeListing, _listings, _read
+from tests.test_prefetch import _CountingSource
+from tests.test_speculate import SIZE, FakeListing, _cache, _listings, _read
 
 
 def _gated(monkeypatch: pytest.MonkeyPatch, gates: list[threading.Event]) -> list[object]:
@@ -47,28 +47,32 @@ def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_jo
 
     async def run() -> None:
         source = _CountingSource(delay=0.001)
-        cache = _cache(source, window=100 * SIZE)
-        files = FakeListing(b"d", list(range(1, 21)))
-        spec = Speculator(cache, _listings(files), seed=0, offload_above=0)
+        files, more = FakeListing(b"d", list(range(1, 21))), FakeListing(b"e", [21, 22])
+        cache = _cache(source, _listings(files, more), 100 * SIZE)
+        spec = Speculator(cache, seed=0, offload_above=0)
         await _read(cache, source, 1)  # cached: never planned
-        job = cache.jobs.jobs[0]
-        job.reads.extend([2, 3])  # read, not cached
+        readers = cache.readers
+        for key in (2, 3):  # read, not cached
+            readers.read(key, 0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spec.run)
             await _until(lambda: len(started) == 1)
-            # The universe keeps growing while the plan is built: no second build starts.
+            # The universe grows while the plan is built (directory e joins): no second
+            # build starts.
+            readers.read(21, 0)
             for _ in range(10):
-                spec.tracks[0].grown = True
                 await trio.sleep(speculate.REPLAN)
+            assert spec.tracker.size[0] == 22
             assert len(started) == 1 and not spec.plans
             # Meanwhile the job ends its epoch and begins the next one with 5.
-            job.reads.extend([*range(4, 21), 5])
+            for key in [*range(4, 21), 22, 5]:
+                readers.read(key, 0)
             await trio.sleep(PERIOD * 2)
-            assert spec.tracks[0].epochs == 1
+            assert spec.tracker.epoch[0] == 1
             gates[0].set()  # the first build lands: of the older epoch, it is dropped
             await _until(lambda: len(started) == 2)
             assert not spec.plans and spec.plans_made == 0
-            job.reads.append(6)  # read while the new epoch's plan is built
+            readers.read(6, 0)  # read while the new epoch's plan is built
             await trio.sleep(PERIOD * 2)
             gates[1].set()
             await _until(lambda: 0 in spec.plans)
@@ -76,7 +80,7 @@ def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_jo
         plan = spec.plans[0]
         assert spec.plans_made == 1
         # The new epoch's unread, uncached files; 6, read during the build, is consumed.
-        assert set(plan.keys.tolist()) == set(range(2, 21)) - {5}
+        assert set(plan.keys.tolist()) == set(range(2, 23)) - {5}
         assert plan.reads == 1 and plan.next_use(6) == math.inf
         assert cache.prefetcher is not None and cache.prefetcher.plans[plan.name] is plan
 
@@ -91,8 +95,8 @@ def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
 
     async def run() -> None:
         source = _CountingSource(delay=0.001)
-        cache = _cache(source, window=100 * SIZE)
-        spec = Speculator(cache, _listings(FakeListing(b"d", list(range(1, 21)))), offload_above=0)
+        cache = _cache(source, _listings(FakeListing(b"d", list(range(1, 21)))), 100 * SIZE)
+        spec = Speculator(cache, offload_above=0)
         pf = cache.prefetcher
         assert pf is not None
         await _read(cache, source, 1)

@@ -189,7 +189,7 @@ class Blocks:
         # the open is the shard's read as far as the policy can tell (as for whole files).
         h.counted = True
         self.cache.metrics.hits += 1
-        accessed = self.cache.policy.accessed
+        accessed = self.cache.block_accessed
         for i in range(h.nblocks):
             h.seen[i] = 1
             accessed(block_key(key, i), True)
@@ -286,7 +286,7 @@ class Blocks:
     async def _range(self, h: BlockHandle, i: int, off: int, end: int) -> bytes:
         if not h.seen[i]:
             h.seen[i] = 1
-            self.cache.policy.accessed(block_key(h.key, i), False)
+            self.cache.block_accessed(block_key(h.key, i), False)
         return await self.ranges.read(h, i, off, end)
 
     async def _block(self, h: BlockHandle, i: int) -> bytes:
@@ -304,7 +304,7 @@ class Blocks:
             self.hits += 1
             if not h.seen[i]:
                 h.seen[i] = 1
-                self.cache.policy.accessed(bkey, True)
+                self.cache.block_accessed(bkey, True)
             return entry.data
         data = h.staged.pop(i, None)
         if data is not None:
@@ -312,7 +312,7 @@ class Blocks:
             return data
         if not h.seen[i]:
             h.seen[i] = 2
-            self.cache.policy.accessed(bkey, False)
+            self.cache.block_accessed(bkey, False)
         return await self._load(h, i)
 
     async def _load(self, h: BlockHandle, i: int) -> bytes:
@@ -417,7 +417,7 @@ class Blocks:
                 return
             if not h.seen[i]:
                 h.seen[i] = 2
-                self.cache.policy.accessed(block_key(h.key, i), False)
+                self.cache.block_accessed(block_key(h.key, i), False)
             data = await self._load(h, i)
         except pyfuse3.FUSEError as exc:
             log.debug("read-ahead of block %d of %r failed: %s", i, h.path, exc)

@@ -10,7 +10,9 @@ same tiers (`admit`, `remove`; negative keys), or read through on a source descr
 The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
 two callables it needs (`fetch_ahead`, `tier_of`), so prefetch.py does not import this
 module. It builds both tiers' policies by name (`belady` reads the prefetcher's plans).
-`start(nursery)` starts the tiers' and the prefetcher's tasks and the idle-job sweep.
+`start(nursery)` starts the tiers' and the prefetcher's tasks. Who reads what (jobs,
+epochs, demand, pending reads) is the readers part's (readers/part.py): every open tells
+it in one call, and the policies and the fetch log read its tracker.
 
 Concurrency (docs/developer-notes.md): everything runs in the trio thread; the code between
 two awaits is a critical section. The data path awaits the SSD lookup and the source fetch;
@@ -36,8 +38,8 @@ from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
-from shadefs.sampling.jobs import Job, JobTable
-from shadefs.sampling.pending import PendingReads
+from shadefs.readers.jobs import Job
+from shadefs.readers.part import Readers
 from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
@@ -72,18 +74,17 @@ class Cache:
         key_of_ino: Callable[[int], int] | None = None,
         prefetch: PrefetchSettings | None = None,
         handle_limit: int | None = None,
-        jobs: JobTable | None = None,
+        readers: Readers | None = None,
         owns: Callable[[int], bool] | None = None,
-        pending: PendingReads | None = None,
         block_size: int = 0,
     ) -> None:
         """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
-        key's importance to `shade`, `pending` the reads the known orders still make (each
-        job's open is one; policies keep such entries), `owns` a multi-node job's ownership.
-        `ssd` is an SSD tier's store, whose restored entries get keys from `key_of_ino`.
-        `handle_limit` bounds what open handles keep alive outside the RAM tier (None: the
-        RAM budget). `jobs` tells the readers' jobs apart. `block_size`: that of the block
-        entries of large files (cache/blocks.py), which the SSD tier restores."""
+        key's importance to `shade`, `owns` a multi-node job's ownership. `ssd` is an SSD
+        tier's store, whose restored entries get keys from `key_of_ino`. `handle_limit`
+        bounds what open handles keep alive outside the RAM tier (None: the RAM budget).
+        `readers` (a fresh one if None) hears of every open, and its pending reads and
+        epoch tracker are what the policies keep and rank by. `block_size`: that of the
+        block entries of large files (cache/blocks.py), which the SSD tier restores."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -92,7 +93,8 @@ class Cache:
         self.ram_max = 0  # max_entry as a plain attribute (every open compares with it)
         self._score_of = score_of
         self._owns = owns
-        self.pending = pending if pending is not None else PendingReads(lambda key: -1)
+        self.readers = readers if readers is not None else Readers()
+        self.pending = self.readers.pending
         self.entries: dict[int, Entry] = {}
         self.used = 0
         self.admitted = 0
@@ -102,14 +104,13 @@ class Cache:
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, FileFlight] = {}
-        self.fetchlog = FetchLog()  # refetches within an epoch
+        self.fetchlog = FetchLog(self.readers.tracker)  # refetches within an epoch
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
         self.prefetcher = (
             Prefetcher.with_settings(prefetch, self.fetch_ahead, self.tier_of) if prefetch else None
         )
-        self.jobs = jobs if jobs is not None else JobTable()
         self.policy = self._make_policy(policy)
         self.ssd: SsdTier | None = None
         if ssd is not None:
@@ -125,12 +126,6 @@ class Cache:
             self.ssd.start(nursery)
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
-        nursery.start_soon(self._sweep_jobs)
-
-    async def _sweep_jobs(self) -> None:
-        while True:
-            await trio.sleep(self.jobs.period)
-            self.expire_jobs(time.monotonic())
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""
@@ -164,14 +159,11 @@ class Cache:
         self, key: int, path: bytes, st: StatLike, pid: int = 0, lazy: bool = False
     ) -> Entry | Deferred[Entry] | None:
         """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
-        None: read it through. `pid`: the reader (its job is looked up in `jobs`). A miss
+        None: read it through. `pid`: the reader (the readers part finds its job). A miss
         may meet another version than `st`'s, or only its start if it grew past the bound.
         `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
         sig = Signature.of(st)
-        jobs = self.jobs
-        reader = jobs.pids.get(pid) or jobs.job_of(pid)
-        self.pending.read(key, reader.row)  # before the policies hear of the read
-        reader.reads.append(key)  # its epoch's reads (sampling/epochs.py)
+        reader = self.readers.read(key, pid)  # before the policies hear of the read
         job = reader.row
         ssd, prefetcher = self.ssd, self.prefetcher
         if prefetcher is not None and prefetcher.plans:
@@ -359,6 +351,7 @@ class Cache:
             by_file(pf.next_use) if pf is not None else None,
             self._owns,
             self.pending.pending,
+            self.readers.tracker,
         )
 
     def _policies(self) -> list[Policy]:
@@ -378,29 +371,16 @@ class Cache:
             self.ssd.policy = ssd_policy
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
-        """Epoch `epoch` begins for job `job` (None: for every job)."""
-        self.fetchlog.new_epoch()
+        """A sampler announced epoch `epoch` for job `job` (None: for every job), with a
+        new order: the tracker takes the epoch, the policies drop what the old order kept."""
+        self.readers.announce(epoch, job)
         for policy in self._policies():
             policy.begin_epoch(epoch, job)
 
-    def expire_jobs(self, now: float) -> None:
-        """End the jobs idle for longer than the table's idle time, in every policy."""
-        for row in self.jobs.expire(now):
-            self._job_ended(row)
-
-    def _job_ended(self, row: int) -> None:
-        self.pending.drop(row)  # what it had still to read, it reads no more
-        for policy in self._policies():
-            policy.job_ended(row)
-
-    def name_job(self, pid: int, name: str, group: str) -> int:
-        """Name `pid`'s job (a sampler's registration); returns its row."""
-        row, merged = self.jobs.name(pid, name, group)
-        if merged is not None:
-            self._job_ended(merged)
-        for policy in self._policies():
-            policy.job_named(row, self.jobs.jobs[row].group)
-        return row
+    def block_accessed(self, key: int, hit: bool) -> None:
+        """A read of block `key` (cache/blocks.py): the tracker's read, then the policy's."""
+        self.readers.read_block(key)
+        self.policy.accessed(key, hit)
 
     def drop(self) -> int:
         """Forget every file cached in RAM (the SSD tier is kept); returns how many."""

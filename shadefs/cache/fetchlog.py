@@ -7,8 +7,10 @@ cache notes every whole-file fetch here, and a fetch of a key already noted sinc
 epoch boundary counts as a *refetch* (stats.json `refetches`, `refetch_bytes`): a refetch
 is a file that a larger cache, or a better-timed prefetch, would have fetched once.
 
-An epoch boundary is any job's new epoch: a sampler's `begin_epoch`, or one that the read
-tracker infers (sampling/epochs.py). With several jobs at different epochs a key fetched
+An epoch boundary is any job's new epoch, announced or inferred: the log asks the readers'
+tracker (readers/tracker.py, `boundaries`) at every note, and the tracker has taken every
+open in before its fetch starts, so a job's first fetches of a new epoch are never counted
+against the last one. With several jobs at different epochs a key fetched
 for one job and again for another after a boundary is not counted, so the counter is a
 lower bound there. The keys are kept in a sorted uint64 array plus a small unsorted
 buffer that is merged in when full (DESIGN.md §6: no Python object per file); a note costs
@@ -18,10 +20,10 @@ one binary search and one short vector comparison, next to a fetch's millisecond
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import numpy as np
 
+from shadefs.readers.tracker import Tracker
 from shadefs.stats import FetchStats
 
 __all__ = ["FetchLog"]
@@ -34,7 +36,9 @@ _PENDING = 512
 class FetchLog:
     """The keys fetched since the last epoch boundary, and the fetch counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracker: Tracker | None = None) -> None:
+        self.tracker = tracker if tracker is not None else Tracker()
+        self._boundaries = self.tracker.boundaries
         self._sorted = np.empty(0, dtype=np.uint64)
         self._pending = np.empty(_PENDING, dtype=np.uint64)
         self._n = 0
@@ -42,9 +46,6 @@ class FetchLog:
         self.fetch_bytes = 0
         self.refetches = 0
         self.refetch_bytes = 0
-        # Takes in the jobs' latest reads (cache/speculate.py), which may end the epoch: a
-        # job's first reads of a new epoch are noted before its logs are read otherwise.
-        self.sync: Callable[[], None] | None = None
 
     def __contains__(self, key: int) -> bool:
         k = np.uint64(key)
@@ -60,11 +61,10 @@ class FetchLog:
         self.fetch_bytes += nbytes
         if key < 0:
             return False  # a block (cache/block_keys.py): not a whole file
-        seen = key in self
-        if seen and self.sync is not None:
-            self.sync()  # the job's latest reads may end the epoch, which clears the log
-            seen = key in self
-        if seen:
+        if self.tracker.boundaries != self._boundaries:
+            self._boundaries = self.tracker.boundaries
+            self.new_epoch()  # some job began an epoch since the last fetch
+        if key in self:
             self.refetches += 1
             self.refetch_bytes += nbytes
             log.debug("key %d fetched again this epoch", key)
@@ -80,7 +80,7 @@ class FetchLog:
         return False
 
     def new_epoch(self) -> None:
-        """An epoch boundary: every file may be fetched once more."""
+        """An epoch boundary (the tracker's): every file may be fetched once more."""
         self._sorted = np.empty(0, dtype=np.uint64)
         self._n = 0
 

@@ -1,7 +1,8 @@
 """Speculative prefetch: stage what a job with no announced order has not read this epoch.
 
 A plain shuffled DataLoader tells the daemon nothing of its order, but within an epoch each
-file not yet read will be read exactly once (sampling/epochs.py tracks that per job). So
+file not yet read will be read exactly once (the readers' tracker, readers/tracker.py,
+knows per job its universe, its epoch and what it read of it). So
 the unread, uncached files of a job's epoch are a prefetch target that the epoch never
 wastes. The speculator turns them into a *speculative plan* for the prefetcher
 (cache/prefetch.py): the unread files in a random order. The prefetcher stages them in its
@@ -14,30 +15,35 @@ from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
 
 Rules that keep it from ever slowing a job down:
 
-- a file the job read this epoch is never staged: the plan's entries are marked consumed as
-  the job's reads are taken in (`sync`), the plan also counts the reads its job logged
-  since (it holds the job's read log: `consumed`, `next_use`), and the prefetcher skips
-  consumed entries and stages only what some plan still reads. So the prefetcher never
-  calls the speculator, and a finished fetch never re-enters a planner;
-- the plan is dropped when the job's reads stop (`idle` seconds without one), when its
-  epoch pattern breaks (a file read twice before the epoch was complete), when the job ends,
+- a file the job read this epoch is never staged: a plan is made of the tracker's unread
+  files, its entries are marked consumed as the job's logged opens are taken in (`sync`),
+  the plan also counts the opens its job logged since (it holds the job's read log:
+  `consumed`, `next_use`), and the prefetcher skips consumed entries and stages only what
+  some plan still reads. So the prefetcher never calls the speculator, and a finished
+  fetch never re-enters a planner;
+- the plan is dropped when the job's reads stop (`idle` seconds without one), while the
+  tracker finds its epoch pattern broken (a file read twice before the epoch was
+  complete), when the job announces its epochs (a sampler: its orders are known), when
+  the job ends,
   and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
   that announces its order gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
-  reader reads it in blocks or through, or whole from the SSD tier, not from staging.
+  reader reads it in blocks or through, or whole from the SSD tier, not from staging;
+- while most deferred opens are served by the kernel's own pages (cache/kernel_pages.py),
+  a file the kernel may hold is not planned.
 
-A new epoch (the job has read NEW_EPOCH of its files and reads one again) replaces the plan
-by a fresh one over the new epoch's unread files, and tells the cache's fetch log that an
-epoch began (cache/fetchlog.py). Also in the first, cold epoch: the universe is then the
-directories the job has read from so far, so staging starts after its first reads.
+A new epoch of the job (the tracker's) replaces the plan by a fresh one over the new
+epoch's unread files. Also in the first, cold epoch: the universe is then the directories
+the job has read from so far, so staging starts after its first reads. The speculator
+infers nothing itself: epochs, universes and unread files are the tracker's.
 
 A plan over a large universe (ImageNet: 1.28 M files) takes a sort and a set test over every
 unread file, 0.1-0.3 s: while `run` serves, it is built in a worker thread (`_build_plan`)
-over snapshots (the unread indexes, the universe's arrays, which a growing universe replaces
-rather than mutates, and a list of the cached keys), at most one per job at a time. Its
-result is installed only if still current: the same job's track, no epoch begun since, no
-known order started, and the reads taken in meanwhile are consumed from it first.
+over a snapshot (the unread ids, the tracker's columns, whose entries for those ids do not
+change, and a list of the cached keys), at most one per job at a time. Its result is
+installed only if still current: the same job in the row, no epoch begun since, no known
+order started, and the reads taken in meanwhile are consumed from it first.
 """
 
 from __future__ import annotations
@@ -52,14 +58,13 @@ from typing import NamedTuple, Protocol, overload
 import numpy as np
 import trio
 
-from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.plans import Plan
 from shadefs.cache.prefetch import Prefetcher
+from shadefs.readers.part import Readers
+from shadefs.readers.tracker import Listing, Tracker
 from shadefs.sampling.builds import resident_among
-from shadefs.sampling.epochs import JobReads, Listing, ListingOf
-from shadefs.sampling.jobs import Job, JobTable
 
 
 class Cache(Protocol):
@@ -69,9 +74,7 @@ class Cache(Protocol):
     @property
     def prefetcher(self) -> Prefetcher | None: ...
     @property
-    def fetchlog(self) -> FetchLog: ...
-    @property
-    def jobs(self) -> JobTable: ...
+    def readers(self) -> Readers: ...
     @property
     def handles(self) -> HandleLedger: ...
     @property
@@ -94,8 +97,8 @@ OFFLOAD_ABOVE = 1 << 16
 class _Paths(Sequence[bytes]):
     """A plan's paths, built on demand from the job's listings (no list of paths).
 
-    It keeps the (listing, row) of each entry as the plan was made: the job's universe is
-    re-sorted when it grows, so indexes into it would go stale.
+    It keeps the (listing, row) of each entry as the plan was made: a refreshed listing
+    moves a file's `where` in the tracker, and the plan's paths must stay those it made.
     """
 
     def __init__(self, listings: list[Listing], where: np.ndarray) -> None:
@@ -132,16 +135,17 @@ class SpecPlan(Plan):
         sizes: np.ndarray,
         unseen: Sequence[int] = (),
     ) -> None:
-        """`unseen`: the job's log of reads not taken in yet (sampling/jobs.py's Job.reads,
+        """`unseen`: the job's log of reads not taken in yet (readers/jobs.py's Job.reads,
         which `Speculator.sync` empties): they count as read before `consume` sees them."""
         super().__init__(name, keys, paths, sizes)
         self.unseen = unseen
 
     @classmethod
-    def over(cls, name: str, reads: JobReads, index: np.ndarray) -> SpecPlan:
-        """The plan of universe entries `index` of `reads`, in that order."""
-        paths = _Paths(list(reads.listings), reads.where[index])
-        return cls(name, reads.keys[index], paths, reads.sizes[index])
+    def over(cls, name: str, tracker: Tracker, index: np.ndarray) -> SpecPlan:
+        """The plan of the files of tracker ids `index`, in that order."""
+        paths = _Paths(tracker.listings, tracker.where[index])
+        keys = tracker.keys[index].astype(np.uint64)
+        return cls(name, keys, paths, tracker.sizes[index])
 
     def consumed(self, pos: int) -> bool:
         # A scan of the reads logged since the last sync: at most PERIOD's worth.
@@ -181,14 +185,15 @@ class SpecPlan(Plan):
 
 
 class _Snapshot(NamedTuple):
-    """What a plan is built from: a job's universe as it was, and what to leave out."""
+    """What a plan is built from: a job's unread files and the tracker's columns, and what
+    to leave out."""
 
     name: str
-    keys: np.ndarray  # the universe's arrays (a growing universe replaces, never mutates them)
+    keys: np.ndarray  # the tracker's columns (regrowth replaces them; set ids never change)
     sizes: np.ndarray
     where: np.ndarray
-    listings: list[Listing]
-    unread: np.ndarray  # the unread entries
+    listings: list[Listing]  # the tracker's, only ever appended to
+    unread: np.ndarray  # the unread ids
     limit: int  # the largest file worth staging
     cached: list[int]  # every cached key (blocks' negative ones too)
     seed: int
@@ -197,57 +202,43 @@ class _Snapshot(NamedTuple):
     # live map only stages a file more or less, never serves anything).
     kernel: KernelPages | None
 
-    @classmethod
-    def of(
-        cls,
-        name: str,
-        reads: JobReads,
-        limit: int,
-        cached: list[int],
-        seed: int,
-        log: Job,
-        kernel: KernelPages | None,
-    ) -> _Snapshot:
-        return cls(
-            name, reads.keys, reads.sizes, reads.where, list(reads.listings),
-            reads.unread(), limit, cached, seed, log.reads, kernel,
-        )  # fmt: skip
-
 
 def _build_plan(snap: _Snapshot) -> SpecPlan | None:
-    """A plan over the unread universe entries of `snap` that are at most `limit` bytes and
-    not cached, in a random order; None when none is left. It reads only `snap`, so it may
-    run in a worker thread."""
+    """A plan over the unread ids of `snap` that are at most `limit` bytes and not cached,
+    in a random order; None when none is left. It reads only `snap`, so it may run in a
+    worker thread."""
     keys, sizes, where, index = snap.keys, snap.sizes, snap.where, snap.unread
-    limit, cached, listings = snap.limit, snap.cached, snap.listings
-    index = index[sizes[index] <= limit]
+    index = index[sizes[index] <= snap.limit]
+    ukeys = keys[index].astype(np.uint64)
     if len(index):
-        index = index[~resident_among(keys[index], cached)]
+        keep = ~resident_among(ukeys, snap.cached)
+        index, ukeys = index[keep], ukeys[keep]
     if len(index) and snap.kernel is not None:
-        index = index[~snap.kernel.may_hold(keys[index])]
+        keep = ~snap.kernel.may_hold(ukeys)
+        index, ukeys = index[keep], ukeys[keep]
     if not len(index):
         return None
-    index = np.random.default_rng(snap.seed).permutation(index)
-    paths = _Paths(listings, where[index])
-    return SpecPlan(snap.name, keys[index], paths, sizes[index], snap.unseen)
+    order = np.random.default_rng(snap.seed).permutation(len(index))
+    index, ukeys = index[order], ukeys[order]
+    paths = _Paths(snap.listings, where[index])
+    return SpecPlan(snap.name, ukeys, paths, sizes[index], snap.unseen)
 
 
 @dataclass
 class _Build:
     """A plan being built off the loop for one job: what makes its result current."""
 
-    track: JobReads
-    epochs: int  # the track's epochs when it began
+    owner: str  # the id of the job it is for (a row is reused once its job ends)
+    epoch: int  # the job's epoch when it began
     caught: list[np.ndarray] = field(default_factory=list)  # reads taken in since
 
 
 class Speculator:
-    """Takes in every job's reads, tracks its epochs, and keeps its speculative plan."""
+    """Keeps a speculative plan per job over the tracker's unread files of its epoch."""
 
     def __init__(
         self,
         cache: Cache,
-        listing_of: ListingOf,
         *,
         enabled: bool = True,
         idle: float = IDLE,
@@ -255,23 +246,20 @@ class Speculator:
         offload_above: int = OFFLOAD_ABOVE,
     ) -> None:
         self.cache = cache
-        self.listing_of = listing_of
+        self.tracker = cache.readers.tracker
         self.enabled = enabled and cache.prefetcher is not None
         self.idle = idle
         self.rng = np.random.default_rng(seed)
-        self.tracks: dict[int, JobReads] = {}  # job row -> its reads
         self.plans: dict[int, SpecPlan] = {}
+        self._owner: dict[int, str] = {}  # job row -> the id of the job it served
         self._last_read: dict[int, float] = {}
-        self._last_key: dict[int, int] = {}  # the key of each job's latest open
-        self._planned_at: dict[int, float] = {}
+        self._planned: dict[int, tuple[int, int, float]] = {}  # row -> (epoch, universe, t)
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
         self.plans_made = 0
         self.offload_above = offload_above
         self._nursery: trio.Nursery | None = None  # while `run` runs: builds go off the loop
         self._building: dict[int, _Build] = {}  # job row -> its plan in the making
-        self._renew: set[int] = set()  # rows whose new epoch wants a fresh plan (`tend`)
         self._trusted = True  # the kernel pages' share when the plans were made
-        cache.fetchlog.sync = self.sync
 
     async def run(self) -> None:
         """Take the reads in and keep the plans, until cancelled (unmount)."""
@@ -287,60 +275,41 @@ class Speculator:
             self._building.clear()
 
     def sync(self) -> None:
-        """Take in every job's logged reads. It plans nothing (`tend` does): the fetch log
-        calls it on a refetch, and a finished fetch must not re-enter the planning."""
+        """Take in every job's logged opens: they consume its plan's entries. It plans
+        nothing (`tend` does, also for a job whose epoch moved)."""
         now = time.monotonic()
-        jobs = self.cache.jobs.jobs
-        for row in [r for r, t in self.tracks.items() if r not in jobs or jobs[r].id != t.job]:
+        self.tracker.settle()
+        jobs = self.cache.readers.jobs.jobs
+        for row in [r for r, o in self._owner.items() if r not in jobs or jobs[r].id != o]:
             self._forget(row)  # the job ended (its row may already serve another)
         for row, job in jobs.items():
             if not job.reads:
                 continue
             keys = np.frombuffer(job.reads, dtype=np.uint64).copy()
             del job.reads[:]
-            track = self.tracks.get(row)
-            if track is None:
-                track = self.tracks[row] = JobReads()
-                track.job = job.id
+            self._owner[row] = job.id
             self._last_read[row] = now
-            keys = self._reopens_dropped(row, keys)
-            if not len(keys):
-                continue
-            began = track.absorb(keys, self.listing_of)
             building = self._building.get(row)
             if building is not None:
                 building.caught.append(keys)  # consumed from its plan once it lands
-            if began:
-                self.cache.fetchlog.new_epoch()
-                log.debug("job %s: epoch %d begins", job.id, track.epochs)
-                self._spent.discard(row)
-                # A fresh plan over the new epoch's unread files (`tend`); what is staged
-                # stays (it is unread in this epoch too).
-                self._renew.add(row)
             plan = self.plans.get(row)
-            if plan is not None:
+            if plan is not None and self._planned[row][0] == self.tracker.epoch[row]:
                 plan.consume(keys, now)
-
-    def _reopens_dropped(self, row: int, keys: np.ndarray) -> np.ndarray:
-        """`keys` without the opens that repeat the job's previous one: a reader that opens
-        a file again at once (Parquet reads the footer, closes and reopens) reads it once,
-        and taking the reopen for a second read would break the epoch's pattern."""
-        keep = np.ones(len(keys), dtype=bool)
-        keep[1:] = keys[1:] != keys[:-1]
-        keep[0] = int(keys[0]) != self._last_key.get(row, -1)
-        self._last_key[row] = int(keys[-1])
-        return keys[keep]
 
     def tend(self, now: float) -> None:
         """Drop the plans that must stop; make or rebuild those that should run."""
         pf = self.cache.prefetcher
         if not self.enabled or pf is None:
             return
+        t = self.tracker
         known = any(not p.speculative for p in pf.plans.values())
         flipped = self.cache.handles.kernel.trusted != self._trusted
-        for row, track in self.tracks.items():
+        for row in self._owner:
             plan = self.plans.get(row)
-            if known or track.paused or now - self._last_read.get(row, 0.0) > self.idle:
+            # A job that announces its epochs has a sampler whose orders the daemon knows
+            # (or will): the clairvoyant prefetcher's, even between two of its orders.
+            idle = now - self._last_read.get(row, 0.0) > self.idle
+            if known or t.explicit[row] or t.broken[row] or idle:
                 self._drop(row)
                 continue
             if plan is not None and plan.name not in pf.plans:
@@ -349,40 +318,39 @@ class Speculator:
                 plan = None
             if row in self._building:
                 continue  # one plan in the making per job; it is checked when it lands
-            if track.grown:
+            epoch, size, at = self._planned.get(row, (-1, -1, 0.0))
+            grown = t.size[row] != size
+            renew = epoch != t.epoch[row]  # a fresh plan over the new epoch's unread files
+            if grown or renew or flipped:  # (flipped: the kernel's pages (stopped) serving)
                 self._spent.discard(row)
-            stale = track.grown and now - self._planned_at.get(row, 0.0) >= REPLAN
-            renew = row in self._renew
-            if flipped:  # the kernel's pages turned out (not) to serve the reopens
-                self._spent.discard(row)
-                stale = True
-            if (plan is None and row not in self._spent) or stale or renew:
-                self._plan(row, track, now)
+            stale = (grown and now - at >= REPLAN) or flipped
+            if (plan is None and row not in self._spent) or stale or (renew and plan):
+                self._plan(row, now)
 
-    def _plan(self, row: int, track: JobReads, now: float) -> None:
+    def _plan(self, row: int, now: float) -> None:
         """Make `row`'s plan over its unread files: at once for a small universe, else in a
         worker thread (while `run` serves), installed only if still current."""
-        self._renew.discard(row)
-        track.grown = False
-        self._planned_at[row] = now
+        t, cache = self.tracker, self.cache
+        self._planned[row] = (t.epoch[row], t.size[row], now)
         # Only what an open would take from staging and the RAM tier could keep: a file
         # above that is read in blocks (a block at a time, to RAM or SSD), through, or
         # whole while open handles leave room; a staged copy of it is mostly fetched
         # twice (and never taken when its blocks are on the SSD already).
-        cache = self.cache
         limit = min(cache.ram_max, cache.handle_limit)
-        job = cache.jobs.jobs[row]
-        seed = int(self.rng.integers(1 << 62))
+        owner = self._owner[row]
         kernel = cache.handles.kernel
         self._trusted = kernel.trusted
         held = kernel if self._trusted else None  # the kernel serves what it holds
-        snap = _Snapshot.of(
-            f"speculate:{job.id}", track, limit, cache.cached_keys(), seed, job, held
-        )
-        if self._nursery is None or len(track) <= self.offload_above:
+        job = cache.readers.jobs.jobs[row]
+        unread = t.unread(row)
+        snap = _Snapshot(
+            f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
+            cache.cached_keys(), int(self.rng.integers(1 << 62)), job.reads, held,
+        )  # fmt: skip
+        if self._nursery is None or t.size[row] <= self.offload_above:
             self._install(row, _build_plan(snap))
             return
-        building = self._building[row] = _Build(track, track.epochs)
+        building = self._building[row] = _Build(owner, t.epoch[row])
         self._nursery.start_soon(self._build_off_loop, row, building, snap)
 
     async def _build_off_loop(self, row: int, building: _Build, snap: _Snapshot) -> None:
@@ -391,13 +359,14 @@ class Speculator:
         finally:
             if self._building.get(row) is building:
                 del self._building[row]
-        track, now = building.track, time.monotonic()
-        if self.tracks.get(row) is not track or track.epochs != building.epochs:
+        t, now = self.tracker, time.monotonic()
+        if self._owner.get(row) != building.owner or t.epoch[row] != building.epoch:
             # `tend` plans the new epoch (or the row's new job) afresh.
             log.debug("job row %d: a plan built for an older epoch is dropped", row)
             return
         pf = self.cache.prefetcher
-        if pf is None or track.paused or any(not p.speculative for p in pf.plans.values()):
+        known = pf is None or any(not p.speculative for p in pf.plans.values())
+        if known or t.broken[row] or t.explicit[row]:
             return  # it must not run now: `tend` plans again when it may
         if plan is not None:
             for keys in building.caught:
@@ -426,9 +395,7 @@ class Speculator:
 
     def _forget(self, row: int) -> None:
         self._drop(row)
-        self.tracks.pop(row, None)
+        self._owner.pop(row, None)
         self._last_read.pop(row, None)
-        self._last_key.pop(row, None)
-        self._planned_at.pop(row, None)
+        self._planned.pop(row, None)
         self._spent.discard(row)
-        self._renew.discard(row)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from shadefs.readers.pending import PendingReads
 from shadefs.sampling import pads, placement
-from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.wire_nodes import NodeOrder
 
 log = logging.getLogger(__name__)

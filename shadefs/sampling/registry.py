@@ -32,9 +32,9 @@ from typing import overload
 import numpy as np
 import trio
 
+from shadefs.readers.pending import PendingReads
 from shadefs.sampling import builds, pads, wire
 from shadefs.sampling.importance import NEUTRAL_SCORE, ImportanceTable
-from shadefs.sampling.pending import PendingReads
 from shadefs.sampling.wire_nodes import NodeOrder
 from shadefs.stats import SamplerStats
 
@@ -242,7 +242,7 @@ class Sampling:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
         cached. The members of sweep group `group` ("" for none) share one order, which
         each member reads whole. The share counts as job `job`'s reads still to come
-        (sampling/pending.py; None: the node's). Builds in the caller's thread: the
+        (readers/pending.py; None: the node's). Builds in the caller's thread: the
         daemon uses `order_async`."""
         full = self._known(request, group)
         if full is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -81,7 +82,7 @@ class LoopLag:
 
 
 class FakeListing:
-    """A directory listing of `keys` (sampling/epochs.py's Listing), without a namespace."""
+    """A directory listing of `keys` (readers/tracker.py's Listing), without a namespace."""
 
     def __init__(self, path: bytes, keys: np.ndarray) -> None:
         self.path = path
@@ -159,19 +160,24 @@ async def bench(args: argparse.Namespace, src: Path, steps: Steps) -> None:
             FakeListing(b"train/d%04d" % d, keys[d * per_dir : (d + 1) * per_dir])
             for d in range(args.dirs)
         ]
-        spec = speculate.Speculator(cache, lambda key: listings[(key - 1000) // per_dir], seed=0)
-        reader = cache.jobs.job_of(jobs[1])
+        cache.readers.tracker.listing_of = lambda key: listings[(key - 1000) // per_dir]
+        spec = speculate.Speculator(cache, seed=0)
+        # A third job that announces nothing (the two above announced their epochs, which
+        # turns speculation off for them): a process of another program is another job.
+        other = subprocess.Popen(["sleep", "600"])
+        pid = other.pid
+        last = args.dirs - 3  # directories that join during the replan phase
 
         async def grow(dirs: range) -> None:
             for d in dirs:  # one read in each directory: its listing joins the universe
-                reader.reads.append(int(keys[d * per_dir + 1]))
+                cache.readers.read(int(keys[d * per_dir + 1]), pid)
             spec.sync()
 
         async def replan() -> None:
-            # The first plan, then two replans, each waited for (in or off the loop).
+            # The first plan, then two replans, each after a directory joined the universe.
             async def keep_reading() -> None:  # else the job is idle and its plan dropped
                 for i in range(3, per_dir):
-                    reader.reads.append(int(keys[i]))
+                    cache.readers.read(int(keys[i]), pid)
                     await trio.sleep(0.05)
 
             async with trio.open_nursery() as inner:
@@ -181,14 +187,17 @@ async def bench(args: argparse.Namespace, src: Path, steps: Steps) -> None:
                     for d in range(3):
                         while spec.plans_made <= d:
                             await trio.sleep(0.01)
-                        spec.tracks[reader.row].grown = True  # as if a directory joined
+                        if d < 2:
+                            await grow(range(last + d, last + d + 1))
                 inner.cancel_scope.cancel()
-            plan = spec.plans.get(reader.row)
+            row = cache.readers.jobs.job_of(pid).row
+            plan = spec.plans.get(row)
             print(f"  {spec.plans_made} plans made, the last of {len(plan) if plan else 0} files")
 
-        await phase("universe growth (tracking)", [(grow, range(args.dirs))])
+        await phase("universe growth (tracking)", [(grow, range(last))])
         await phase("replan (1 job, no order)", [(replan,)])
         await phase("reads (2 jobs)", [(reads, jobs[0]), (reads, jobs[1])])
+        other.kill()
         nursery.cancel_scope.cancel()
 
 

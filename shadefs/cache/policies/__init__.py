@@ -22,6 +22,7 @@ from shadefs.cache.policies.epoch import EpochPolicy
 from shadefs.cache.policies.lru import LruPolicy
 from shadefs.cache.policies.owned import Owned
 from shadefs.cache.policies.shade import ShadePolicy
+from shadefs.readers.tracker import Tracker
 
 __all__ = [
     "POLICIES",
@@ -43,12 +44,14 @@ def make_policy(
     next_use: Callable[[int], float] | None = None,
     owns: Callable[[int], bool] | None = None,
     pending: Callable[[int], bool] | None = None,
+    tracker: Tracker | None = None,
 ) -> Policy:
     """A fresh policy by name; `shade` ranks by `score` (neutral for every key if None),
-    `belady` by `next_use` (every key infinitely far if None). With `owns`, admission
-    favours the keys this node owns in a multi-node job (`Owned`). `shade` and `epoch`
-    keep what `pending` says the known orders still read."""
-    policy = _make(name, score, next_use, pending)
+    `belady` by `next_use` (every key infinitely far if None), `epoch` by the demand that
+    the readers' `tracker` counts (a fresh one if None). With `owns`, admission favours
+    the keys this node owns in a multi-node job (`Owned`). `shade` and `epoch` keep what
+    `pending` says the known orders still read."""
+    policy = _make(name, score, next_use, pending, tracker)
     return Owned(policy, owns) if owns is not None else policy
 
 
@@ -57,9 +60,10 @@ def _make(
     score: Callable[[int], float] | None,
     next_use: Callable[[int], float] | None,
     pending: Callable[[int], bool] | None = None,
+    tracker: Tracker | None = None,
 ) -> Policy:
     if name == "epoch":
-        return EpochPolicy(pending)
+        return EpochPolicy(tracker, pending)
     if name == "lru":
         return LruPolicy()
     if name == "shade":

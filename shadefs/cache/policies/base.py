@@ -2,7 +2,7 @@
 
 A policy is a pure decision object: it never does I/O and never takes a lock. The cache
 tells it what happens (`inserted`, `restored`, `removed`, `accessed` with the reading
-job, `begin_epoch`, `job_ended`) and asks
+job, `begin_epoch`) and asks
 it two questions: may this miss be admitted, and if so which resident entries make room for
 it (`admit`); and which entries to drop to free bytes when the budget shrinks (`shrink`).
 Keys are opaque ints (the cache uses inode numbers), sizes are bytes.
@@ -60,18 +60,9 @@ class Policy(ABC):
         """Victims, in eviction order, that free at least `need` bytes (or everything)."""
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:  # noqa: B027
-        """The sampler announced epoch `epoch` for job `job` (None: every job); policies
-        that infer epochs may use it."""
-
-    def job_named(self, job: int, group: str) -> None:  # noqa: B027 - optional hook
-        """Job `job` belongs to sweep group `group` ("" for none)."""
-
-    def job_ended(self, job: int) -> None:  # noqa: B027 - optional hook
-        """Job `job` is over (idle): it reads nothing more, and its row may be reused."""
-
-    def job_epochs(self) -> dict[int, int]:
-        """The epoch of each job the policy tracks (policies that track none: {})."""
-        return {}
+        """The sampler announced epoch `epoch` for job `job` (None: every job), with a new
+        order: what the old one still read is no longer pending. Epochs themselves are
+        the readers' tracker's (readers/tracker.py): no policy infers one."""
 
     def describe(self) -> PolicyState:
         return PolicyState(name=self.name, entries=len(self.sizes))

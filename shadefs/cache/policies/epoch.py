@@ -1,231 +1,186 @@
-"""The `epoch` policy, the default: keep what has not been read this epoch.
+"""The `epoch` policy, the default: keep what the jobs have not read this epoch.
 
 Under shuffled epochs every file is read once per epoch, so the best any demand cache can
 do is keep a fixed set until it has been read this epoch (hit ratio f = cache/dataset, the
 bound that Belady's MIN also reaches), while LRU thrashes (DESIGN.md fact 1).
 
-With several jobs (a sweep over one dataset), "read this epoch" is per job, and the policy
-evicts by remaining demand instead: see `EpochPolicy` and demand.py.
+The policy is a pure ranker over the readers' tracker (readers/tracker.py), which alone
+knows each job's epoch and what it read: an entry's rank is the number of active jobs that
+still want it this epoch, then the number that consumed it (they read it again next
+epoch). With one job that is: stale (not read for a whole epoch) first, then consumed
+(read this epoch), then protected (read last epoch, to be read in this one).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
-from itertools import chain
 
 import numpy as np
 
-from shadefs.cache.policies.base import Policy, take_prefix
-from shadefs.cache.policies.demand import JobReads
+from shadefs.cache.policies.base import Policy
+from shadefs.readers.tracker import Tracker
 from shadefs.stats import PolicyState
 
 log = logging.getLogger(__name__)
 
 
 class EpochPolicy(Policy):
-    """Keep what has not been read this epoch; evict what was read this epoch first.
+    """Keep what the active jobs still read this epoch; evict what nobody wants first.
 
-    Each resident entry remembers the epoch of its last read. Relative to the current
-    epoch E an entry is *protected* (last read in E-1: it will be read again in E),
-    *consumed* (read in E: its next read is in E+1) or *stale* (not read for a whole epoch:
-    no longer part of what the job reads). A miss is admitted into free space, or in place
-    of stale entries; it is never swapped for a consumed one, because the miss itself was
-    just consumed and the swap would be pure churn. Consumed entries go first when the
-    budget shrinks, protected ones last.
+    Resident entries sit in buckets by rank (the tracker's `rank`: want, then done). A
+    miss is admitted only in place of entries of a lower rank than its own (so never
+    swapped for an entry as wanted as itself: pure churn), lowest rank first, oldest first
+    within a rank; shrinking takes the lowest ranks first. A read moves one entry between
+    buckets (O(1)); when the tracker recounts (a job's new epoch, a job joining or
+    leaving: its `generation` moves) the policy re-ranks its entries in numpy, once.
 
-    Epochs are inferred when no sampler announces them: reading a resident file that was
-    already read in the current epoch means a new pass over the data has begun. With a
-    resident fraction f the boundary is noticed after about 1/f reads of the new epoch,
-    and the misses in between are not admitted anyway, so nothing is lost.
-
-    Several jobs: the cache names the job of every access. While more than one job is
-    active, epochs are per job (JobReads: one job's read of a file another job read is no
-    new epoch) and the policy is demand-aware: an entry's remaining demand is the number of
-    active jobs that have not read it in their current epoch. Entries nobody wants go
-    first (stale for every job before consumed ones), a miss is admitted only in place of
-    entries with less demand than its own (the jobs that have not read it yet), and among
-    equal demand the entries more jobs will read next epoch stay. With one job the rules
-    above apply unchanged (its row in JobReads is brought up to date when a second job
-    joins).
+    With `pending` (the reads the known orders still make, readers/pending.py), an entry
+    with reads to come is never evicted for a miss without, and such a miss may replace
+    any entry without.
     """
 
     name = "epoch"
 
-    def __init__(self, pending: Callable[[int], bool] | None = None) -> None:
-        """`pending(key)`: whether a known order (a ShadeSampler's, sampling/pending.py)
-        reads `key` again. Such an entry is never evicted for a miss that no known order
-        reads again, and such a miss may replace any entry without."""
+    def __init__(
+        self, tracker: Tracker | None = None, pending: Callable[[int], bool] | None = None
+    ) -> None:
         super().__init__()
+        self.tracker = tracker if tracker is not None else Tracker()
         self.pending = pending
-        self.epoch = 0
-        self._explicit = False
-        self._last: dict[int, int] = {}
-        # Insertion-ordered buckets of keys by the epoch of their last read.
-        self._buckets: dict[int, dict[int, None]] = {}
-        self.reads = JobReads()
-        self._solo = -1  # the row of the one active job, -1 unless exactly one is active
+        self._rank: dict[int, int] = {}  # resident id -> the rank of its bucket
+        self._buckets: dict[int, dict[int, None]] = {}  # rank -> resident ids, oldest first
+        self._generation = self.tracker.generation
+
+    @property
+    def epoch(self) -> int:
+        """The furthest epoch of the active jobs (the one job's, alone)."""
+        t = self.tracker
+        return max(t.epochs_of().values(), default=t.start_epoch)
 
     @property
     def shared(self) -> bool:
-        """Whether more than one job is active (the demand-aware rules apply)."""
-        return len(self.reads.active) > 1
+        """Whether more than one job is active."""
+        return len(self.tracker.active) > 1
 
-    def _place(self, key: int, epoch: int) -> None:
-        self._unplace(key)
-        self._last[key] = epoch
-        self._buckets.setdefault(epoch, {})[key] = None
+    # --- buckets -------------------------------------------------------------------------
 
-    def _unplace(self, key: int) -> None:
-        old = self._last.pop(key, None)
+    def _place(self, i: int, r: int) -> None:
+        """Put resident id `i` in the bucket of rank `r`."""
+        old = self._rank.get(i)
+        if old == r:
+            return
         if old is not None:
-            bucket = self._buckets[old]
-            del bucket[key]
-            if not bucket:
-                del self._buckets[old]
+            self._unbucket(i, old)
+        bucket = self._buckets.get(r)
+        if bucket is None:
+            bucket = self._buckets[r] = {}
+        bucket[i] = None
+        self._rank[i] = r
+
+    def _unbucket(self, i: int, rank: int) -> None:
+        bucket = self._buckets[rank]
+        del bucket[i]
+        if not bucket:
+            del self._buckets[rank]
+        del self._rank[i]
+
+    def _fresh(self) -> None:
+        """Re-rank every resident entry if the tracker recounted since the last look."""
+        t = self.tracker
+        if self._generation == t.generation:
+            return
+        self._generation = t.generation
+        live = np.fromiter(self._rank, dtype=np.int64, count=len(self._rank))
+        rank = t.rank_ids(live)
+        self._rank = dict(zip(live.tolist(), rank.tolist(), strict=True))
+        # One dict per distinct rank (a handful), filled at C speed.
+        ranks = np.unique(rank).tolist()
+        self._buckets = {r: dict.fromkeys(live[rank == r].tolist()) for r in ranks}
+
+    # --- what the cache tells ------------------------------------------------------------
 
     def inserted(self, key: int, size: int) -> None:
         super().inserted(key, size)
-        # A miss was just read, so a new entry starts out consumed.
-        self._place(key, self.epoch)
-        self.reads.add(key, size)
+        self._fresh()
+        t = self.tracker
+        i = t.id(key)
+        self._place(i, t.rank(i))
 
     def restored(self, key: int, size: int) -> None:
-        # Found on disk after a restart: nothing says it was read this epoch, so it is
-        # protected until it is (and its first read must not look like a new epoch).
-        Policy.inserted(self, key, size)
-        self._place(key, self.epoch - 1)
-        self.reads.add(key, size)
+        # Found on disk after a restart: not a read, so every job still wants it.
+        self.inserted(key, size)
 
     def removed(self, key: int) -> None:
         super().removed(key)
-        self._unplace(key)
-        self.reads.remove(key)
+        i = self.tracker.id_of.get(key)
+        if i is not None and i in self._rank:
+            self._unbucket(i, self._rank[i])
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
-        if job != self._solo or not hit:
-            self._accessed(key, hit, job)
-            return
-        # A hit of the one active job: the single-job rules, and nothing else (hit path).
-        self._solo_hit(key)
+        # The tracker has taken the read in (the cache told it first): move the entry to
+        # the bucket of its new rank, which the tracker computed with the read.
+        t = self.tracker
+        if self._generation != t.generation:
+            self._fresh()
+        if key == t.read_key:
+            i, r = t.read_id, t.read_rank
+            old = self._rank.get(i)
+            if old is None or old == r:
+                return  # not resident here, or its rank did not move (a replay)
+        else:
+            j = t.id_of.get(key)
+            if j is None or j not in self._rank:
+                return
+            i, r = j, t.rank(j)
+        self._place(i, r)
 
-    def _solo_hit(self, key: int) -> None:
-        """A hit while one job reads: a file it already read this epoch starts the next."""
-        last = self._last.get(key)
-        if last is None:
-            return
-        if last == self.epoch and not self._explicit:
-            self.epoch += 1
-            log.debug("inferred the start of epoch %d", self.epoch)
-        self._place(key, self.epoch)
+    # --- what the cache asks -------------------------------------------------------------
 
-    def _accessed(self, key: int, hit: bool, job: int) -> None:
-        reads = self.reads
-        if job not in reads.active:
-            if len(reads.active) == 1:
-                # A second job: bring the first one's row up to date (hits of one job
-                # alone only touch the single-job state, to keep the hit path cheap).
-                (first,) = reads.active
-                self._sync_row(first, recount=False)  # join recounts
-            reads.join(job, recount=len(reads.active) > 0)
-            if len(reads.active) == 1:
-                # The first job of an empty policy (or the next after one ended alone).
-                self._sync_row(job)
-            self._solo = job if len(reads.active) == 1 else -1
-        if len(reads.active) > 1:
-            if reads.read(key, job):
-                log.debug("job %d: inferred the start of its epoch %d", job, reads.epoch[job])
-            return
-        if not hit:
-            # One job: as before, only resident files tell epochs apart (its row in step).
-            reads.read(key, job, infer=False)
-            return
-        self._solo_hit(key)
-
-    def _sync_row(self, row: int, recount: bool = True) -> None:
-        """Job `row` is the one job: its row takes the single-job state of resident keys
-        (and the demand counts follow unless the caller recounts them itself)."""
-        reads = self.reads
-        reads.epoch[row] = self.epoch
-        reads.explicit[row] = self._explicit
-        slot_of = reads.slot_of
-        slots = np.fromiter((slot_of[k] for k in self._last), np.int64, len(self._last))
-        reads.last[row, slots] = np.fromiter(self._last.values(), np.int64, len(self._last))
-        if recount:
-            reads.recount()
-
-    def begin_epoch(self, epoch: int, job: int | None = None) -> None:
-        rows = list(self.reads.active) if job is None else [job]
-        for row in rows:
-            if row in self.reads.active:
-                self.reads.announce(row, epoch)
-        if job is None or not self.shared:
-            self._explicit = True
-            if epoch > self.epoch:
-                self.epoch = epoch
-
-    def job_ended(self, job: int) -> None:
-        reads = self.reads
-        was_shared = self.shared
-        reads.leave(job)
-        self._solo = next(iter(reads.active)) if len(reads.active) == 1 else -1
-        if was_shared and len(reads.active) == 1:
-            # Back to one job: its row becomes the single-job state (resident keys only).
-            (row,) = reads.active
-            self.epoch = int(reads.epoch[row])
-            self._explicit = bool(reads.explicit[row])
-            self._last.clear()
-            self._buckets.clear()
-            slots = reads.slot_of
-            for key in sorted(self.sizes, key=lambda k: int(reads.last[row, slots[k]])):
-                self._place(key, int(reads.last[row, slots[key]]))
-
-    def job_epochs(self) -> dict[int, int]:
-        return {row: int(self.reads.epoch[row]) for row in self.reads.active}
-
-    def _stale(self) -> Iterator[int]:
-        for e in sorted(self._buckets):
-            if e >= self.epoch - 1:
+    def _victims(
+        self, need: int, below: int | None, kept: Callable[[int], bool] | None = None
+    ) -> list[int] | None:
+        """Keys to evict, lowest rank first, that free `need` bytes; only ranks < `below`
+        when given (None if they do not free enough); everything there is when shrinking.
+        With `kept(key)`, the keys it holds are never victims (pending reads)."""
+        if need <= 0:
+            return []
+        keys, sizes = self.tracker.keys, self.sizes
+        victims: list[int] = []
+        for r in sorted(self._buckets):
+            if below is not None and r >= below:
                 break
-            yield from self._buckets[e]
-
-    def _consumed(self) -> Iterator[int]:
-        yield from self._buckets.get(self.epoch, ())
-
-    def _protected(self) -> Iterator[int]:
-        yield from self._buckets.get(self.epoch - 1, ())
+            for i in self._buckets[r]:
+                key = int(keys[i])
+                if kept is not None and kept(key):
+                    continue
+                victims.append(key)
+                need -= sizes[key]
+                if need <= 0:
+                    return victims
+        return None if below is not None or kept is not None else victims
 
     def admit(self, key: int, size: int, free: int) -> list[int] | None:
+        if size <= free:
+            return []
+        self._fresh()
+        rank = self.tracker.rank(self.tracker.id(key))
         keep = self.pending
-        if self.shared:
-            if keep is None:
-                return self.reads.victims(size - free, self.reads.rank_of(key))
-            below = None if keep(key) else self.reads.rank_of(key)
-            return self.reads.victims(size - free, below, keep)
-        if keep is None or size <= free:
-            return take_prefix(self._stale(), self.sizes, size - free)
-        # A known order's pending reads come first: kept, and worth a consumed entry.
-        wanted = keep(key)
-        order = chain(self._stale(), self._consumed()) if wanted else self._stale()
-        return take_prefix((k for k in order if not keep(k)), self.sizes, size - free)
+        if keep is None:
+            return self._victims(size - free, rank)
+        # A known order's pending reads come first: kept, and worth any entry without.
+        return self._victims(size - free, None if keep(key) else rank, keep)
 
     def shrink(self, need: int) -> list[int]:
-        if self.shared:
-            return self.reads.victims(need, None) or []
-
-        def order() -> Iterator[int]:
-            yield from self._stale()
-            yield from self._consumed()
-            yield from self._protected()
-
-        victims = take_prefix(order(), self.sizes, need)
-        return list(order()) if victims is None else victims
+        self._fresh()
+        return self._victims(need, None) or []
 
     def describe(self) -> PolicyState:
-        source = "sampler" if self._explicit else "inferred"
-        if self.shared:
+        t = self.tracker
+        if len(t.active) > 1:
             # One epoch per job (stats.json `jobs`); here the furthest along.
-            epoch = max(self.job_epochs().values())
-            return replace(super().describe(), epoch=epoch, epoch_source="per-job")
+            return replace(super().describe(), epoch=self.epoch, epoch_source="per-job")
+        explicit = bool(t.explicit[next(iter(t.active))]) if t.active else t.start_explicit
+        source = "sampler" if explicit else "inferred"
         return replace(super().describe(), epoch=self.epoch, epoch_source=source)

@@ -109,14 +109,5 @@ class Owned(Policy):
         self.inner.begin_epoch(epoch, job)
         self.read = {}
 
-    def job_named(self, job: int, group: str) -> None:
-        self.inner.job_named(job, group)
-
-    def job_ended(self, job: int) -> None:
-        self.inner.job_ended(job)
-
-    def job_epochs(self) -> dict[int, int]:
-        return self.inner.job_epochs()
-
     def describe(self) -> PolicyState:
         return self.inner.describe()

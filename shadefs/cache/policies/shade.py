@@ -46,7 +46,7 @@ class ShadePolicy(Policy):
         self, score: Callable[[int], float], pending: Callable[[int], bool] | None = None
     ) -> None:
         """`pending(key)`: whether a known order reads `key` again this epoch
-        (sampling/pending.py); such an entry ranks above every other."""
+        (readers/pending.py); such an entry ranks above every other."""
         super().__init__()
         self.score = score
         self.pending = pending

@@ -18,9 +18,9 @@ A job with no reads for `idle` seconds is over: `expire` drops it and returns it
 
 The pid -> job mapping is cached, so the hit path reads /proc only for a pid it has not
 seen, and reads no clock: the reads are counted in the job, and a periodic `expire` (the
-cache runs it a few times per idle period) turns a changed count into a `last_seen`, ends
-the idle jobs, and re-checks each cached pid's start time, so that a reused pid (or one
-that exited) is resolved afresh.
+readers' sweep, readers/part.py, runs it a few times per idle period) turns a changed
+count into a `last_seen`, ends the idle jobs, and re-checks each cached pid's start
+time, so that a reused pid (or one that exited) is resolved afresh.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shadefs.stats import JobStats
@@ -50,11 +51,11 @@ class Job:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
-    last_seen: float = 0.0  # time.monotonic() of its last read (to the sweep period)
+    last_seen: float = 0.0  # the table's clock at its last read (to the sweep period)
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
-    # The keys it opened since the read tracker last took them (sampling/epochs.py): the
-    # hit path appends one machine word, the tracker reads them in batches.
+    # The keys it opened since the speculator last took them (its plans' entries are
+    # consumed in batches, cache/speculate.py): the hit path appends one machine word.
     reads: array[int] = field(default_factory=lambda: array("Q"))
 
 
@@ -138,8 +139,15 @@ def job_root(pid: int, proc: ProcInfo) -> int:
 class JobTable:
     """The active jobs, the pid -> job cache, and expiry after `idle` seconds without reads."""
 
-    def __init__(self, idle: float = DEFAULT_IDLE, proc: ProcInfo | None = None) -> None:
+    def __init__(
+        self,
+        idle: float = DEFAULT_IDLE,
+        proc: ProcInfo | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: seconds, for the idle times (tests hand trio's virtual clock)."""
         self.idle = idle
+        self.clock = clock
         self.proc = proc or ProcInfo()
         self.jobs: dict[int, Job] = {}  # row -> job
         self._by_id: dict[str, int] = {}
@@ -155,7 +163,7 @@ class JobTable:
             row = self._free.pop() if self._free else self._next_row
             if row == self._next_row:
                 self._next_row += 1
-            self.jobs[row] = Job(job_id, row, group, last_seen=time.monotonic())
+            self.jobs[row] = Job(job_id, row, group, last_seen=self.clock())
             self._by_id[job_id] = row
             log.debug("job %s started (row %d)", job_id, row)
         elif group:
@@ -245,7 +253,7 @@ class JobTable:
         return gone
 
     def describe(self, epoch_of: dict[int, int]) -> list[JobStats]:
-        now = time.monotonic()
+        now = self.clock()
         return [
             JobStats(
                 id=job.id,

@@ -1,0 +1,387 @@
+"""Who read what: dense file ids, ONE epoch tracker per job, per-job reads and demand counts.
+
+Every part that needs to know a job's epoch or what it has still to read asks this one
+object: the tiers' `epoch` policies rank by its demand counts, the speculator stages a
+job's unread files, the fetch log clears at its epoch boundaries, the stats show its
+epochs. Nothing else infers an epoch.
+
+**Dense ids.** A cache key (an inode number, or a negative block key) gets a dense id the
+first time it is read or listed (`id_of`, a dict: the one per-file Python structure left).
+Everything per file is a numpy column over ids:
+
+- `keys`, `sizes`, `where` (listing index << 32 | row; -1 when the file's listing is
+  unknown), the universe of the speculator's plans;
+- per job row: `last[row, id]`, the job's epoch of its last read of the file, and
+  `universe[row, id]`, whether the file is one the job may read (a file it read, or any
+  regular file of a directory it read from, once that directory's listing joined);
+- `want[id]`, `done[id]`: how many active jobs still want the file this epoch
+  (last == epoch - 1, or never read) and how many consumed it (last >= epoch).
+
+Relative to job j's epoch e_j a file is *consumed* by j (read in e_j), *wanted* (read in
+e_j - 1 or never: j reads it this epoch) or *stale* (j went a whole epoch without it).
+
+**One epoch rule, for one job or many.** An announced epoch (a sampler's `begin_epoch`)
+wins: the job's epoch is set, and re-reads are replays. Otherwise a job's re-read of a file
+it read this epoch begins its next epoch if the job has read `NEW_EPOCH` of its universe
+this epoch; below that the pattern is *broken* (sampling with replacement, a subset read
+again): the epoch goes on and the job is marked broken until its next epoch begins (the
+speculator stages nothing for it meanwhile). A reopen of the file the job opened last
+(Parquet reads its footer, closes and reopens) is one read.
+
+**Costs.** A read is O(1): a dict lookup, a handful of numpy scalar updates. A job's new
+epoch, a job joining or leaving recount `want`/`done` in numpy (O(jobs x files), once per
+epoch) and bump `generation`, which tells the policies to re-rank their resident entries.
+A listing joins a job's universe in numpy, off the read path (`settle`, from the readers'
+task and the speculator).
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+from array import array
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# The share of its universe a job must have read this epoch for a re-read to begin its
+# next epoch (rather than break the pattern). Below 1 for drop_last, and for files added
+# while the epoch ran.
+NEW_EPOCH = 0.9
+_GROW = 2
+_SETTLE_MAX = 1 << 16  # the most first reads waiting for their directory's listing
+
+
+class Listing(Protocol):
+    """What the tracker reads of a directory listing (fs/snapshots.py's Snapshot)."""
+
+    @property
+    def path(self) -> bytes: ...
+    @property
+    def ino(self) -> np.ndarray: ...
+    @property
+    def rows(self) -> np.ndarray: ...
+    def child_path(self, i: int) -> bytes: ...
+
+
+# The listing of the directory holding a key's file, or None when there is none (a file
+# looked up in a directory never listed, or a key the namespace no longer holds).
+ListingOf = Callable[[int], Listing | None]
+
+
+def _no_listings(key: int) -> Listing | None:
+    return None
+
+
+class Tracker:
+    """The per-file columns, the per-job rows and the one epoch rule (see the module)."""
+
+    def __init__(self, listing_of: ListingOf | None = None) -> None:
+        self.listing_of = listing_of or _no_listings
+        self.id_of: dict[int, int] = {}
+        self.n = 0
+        cap = 64
+        self.keys = np.zeros(cap, dtype=np.int64)
+        self.sizes = np.zeros(cap, dtype=np.int64)
+        self.where = np.full(cap, -1, dtype=np.int64)
+        self.want = np.zeros(cap, dtype=np.int32)
+        self.done = np.zeros(cap, dtype=np.int32)
+        self.listings: list[Listing] = []  # only ever appended to
+        self._listing_ids: list[np.ndarray] = []  # the ids of each listing's regular files
+        self._listed: dict[bytes, int] = {}  # a listing's path -> its index (directories)
+        # Per job row: numpy over files, plain lists of scalars per job (a handful).
+        self.last = np.zeros((1, cap), dtype=np.int64)
+        self.universe = np.zeros((1, cap), dtype=bool)
+        self._rows()
+        self.epoch: list[int] = []
+        self.explicit: list[bool] = []
+        self.count: list[int] = []  # files of its universe read this epoch
+        self.size: list[int] = []  # files in its universe
+        self.broken: list[bool] = []
+        self.epochs: list[int] = []  # boundaries inferred or announced
+        self.breaks: list[int] = []
+        self._prev: list[int] = []  # the key of each job's latest open
+        self._dirs: list[set[int]] = []  # the listings in each job's universe
+        self._grow_rows(0)
+        self.active: dict[int, None] = {}  # rows of the jobs that read, in arrival order
+        self.ranks = 1  # len(active) + 1: the base of a rank (want * ranks + done)
+        # The epoch (and whether announced) a job starts in: what `announce` to every
+        # job said last.
+        self.start_epoch = 0
+        self.start_explicit = False
+        self.boundaries = 0  # every job's new epochs, counted (the fetch log's boundary)
+        self.generation = 0  # bumped at every recount: the policies re-rank
+        self._unsettled: array[int] = array("q")  # (row, key) pairs read but not listed
+        # The key, id and rank of the latest read, for the policies' `accessed` that follows
+        # it (read_key -1: look them up).
+        self.read_key = self.read_id = -1
+        self.read_rank = 0
+
+    def _rows(self) -> None:
+        """Memoryviews of the columns and of each row, for the read path: indexing one
+        gives a Python int or bool at a third of the cost of a numpy scalar (the numpy
+        arrays stay the storage; these share their memory and follow every regrowth)."""
+        self._last = [r.data for r in self.last]
+        self._universe = [r.data for r in self.universe]
+        self._want = self.want.data
+        self._done = self.done.data
+
+    # --- ids ------------------------------------------------------------------------------
+
+    def _grow_ids(self, need: int) -> None:
+        cap = len(self.keys)
+        while cap < need:
+            cap *= _GROW
+        for name, fill in (("keys", 0), ("sizes", 0), ("where", -1), ("want", 0), ("done", 0)):
+            old = getattr(self, name)
+            new = np.full(cap, fill, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        for name in ("last", "universe"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], cap), dtype=old.dtype)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+        self._rows()
+
+    def _minus_one(self) -> np.ndarray:
+        return np.array(self.epoch, dtype=np.int64) - 1
+
+    def id(self, key: int) -> int:
+        """The dense id of `key`, made on first sight: wanted by every active job."""
+        i = self.id_of.get(key)
+        if i is None:
+            i = self.n
+            if i == len(self.keys):
+                self._grow_ids(i + 1)
+            self.n += 1
+            self.id_of[key] = i
+            self.keys[i] = key
+            self.last[:, i] = self._minus_one()
+            self.want[i] = len(self.active)
+        return i
+
+    def _ids(self, keys: np.ndarray) -> np.ndarray:
+        """The ids of `keys`, made for the unknown ones in one go."""
+        id_of = self.id_of
+        fresh = list(dict.fromkeys(k for k in keys.tolist() if k not in id_of))  # hard links
+        if fresh:
+            start, m = self.n, len(fresh)
+            self._grow_ids(start + m)
+            self.n += m
+            id_of.update(zip(fresh, range(start, start + m), strict=True))
+            self.keys[start : start + m] = fresh
+            self.last[:, start : start + m] = self._minus_one()[:, None]
+            self.want[start : start + m] = len(self.active)
+        return np.fromiter((id_of[k] for k in keys.tolist()), np.int64, len(keys))
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def _grow_rows(self, row: int) -> None:
+        rows = max(row + 1, len(self.epoch) * _GROW)
+        old = len(self.epoch)
+        for name in ("last", "universe"):
+            arr = getattr(self, name)
+            new = np.zeros((rows, arr.shape[1]), dtype=arr.dtype)
+            new[: arr.shape[0]] = arr
+            setattr(self, name, new)
+        self._rows()
+        more = rows - old
+        self.epoch += [0] * more
+        self.explicit += [False] * more
+        self.broken += [False] * more
+        for name in ("count", "size", "epochs", "breaks"):
+            getattr(self, name).extend([0] * more)
+        self._prev += [-1 << 63] * more
+        self._dirs += [set() for _ in range(more)]
+
+    def join(self, row: int) -> None:
+        """Job `row` starts reading: it wants every file (its row may be a reused one)."""
+        if row >= len(self.epoch):
+            self._grow_rows(row)
+        self.epoch[row] = self.start_epoch
+        self.explicit[row] = self.start_explicit
+        self.last[row, : self.n] = self.start_epoch - 1
+        self.universe[row, : self.n] = False
+        self.count[row] = self.size[row] = self.epochs[row] = self.breaks[row] = 0
+        self.broken[row] = False
+        self._prev[row] = -1 << 63
+        self._dirs[row] = set()
+        self.active[row] = None
+        self.recount()
+
+    def leave(self, row: int) -> None:
+        """Job `row` is over: it wants nothing any more (its row may be reused)."""
+        if self.active.pop(row, 0) is None:
+            self.recount()
+
+    def recount(self) -> None:
+        """Count `want` and `done` afresh (a job's new epoch, a job joining or leaving)."""
+        n = self.n
+        rows = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
+        last = self.last[rows, :n]
+        e = np.array(self.epoch, dtype=np.int64)[rows][:, None]
+        self.want[:n] = (last == e - 1).sum(axis=0)
+        self.done[:n] = (last >= e).sum(axis=0)
+        self.ranks = len(rows) + 1
+        self.generation += 1
+
+    def epochs_of(self) -> dict[int, int]:
+        """The epoch of every active job (stats.json `jobs`)."""
+        return {row: self.epoch[row] for row in self.active}
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def read(self, key: int, row: int) -> bool:
+        """Job `row` opened `key`; True when that began the job's next epoch (inferred).
+        The hit path: a dict lookup and a few scalar updates of numpy columns."""
+        if row not in self.active:
+            self.join(row)
+        self.read_key = -1
+        prev = self._prev
+        if prev[row] == key:
+            return False  # a reopen of the file it opened last: one read
+        prev[row] = key
+        i = self.id_of.get(key)
+        if i is None:
+            i = self.id(key)
+        universe = self._universe[row]
+        if not universe[i]:
+            universe[i] = True
+            self.size[row] += 1
+            if key >= 0 and len(self._unsettled) < _SETTLE_MAX:
+                self._unsettled.extend((row, key))  # its directory may join the universe
+        e = self.epoch[row]
+        last = self._last[row]
+        was = last[i]
+        if was >= e:
+            return self._reread(row, i, e)
+        want, done = self._want, self._done
+        w = want[i]
+        if was == e - 1:
+            w -= 1
+            want[i] = w
+        d = done[i] + 1
+        done[i] = d
+        last[i] = e
+        self.count[row] += 1
+        self.read_key, self.read_id, self.read_rank = key, i, w * self.ranks + d
+        return False
+
+    def _reread(self, row: int, i: int, e: int) -> bool:
+        if self.explicit[row]:
+            return False  # a replay: the sampler announces its epochs
+        if self.count[row] < NEW_EPOCH * self.size[row]:
+            if not self.broken[row]:
+                log.debug(
+                    "job %d: epoch pattern broken at %d of %d", row, self.count[row], self.size[row]
+                )
+            self.broken[row] = True
+            self.breaks[row] += 1
+            return False
+        self._begin(row, e + 1)
+        self.last[row, i] = e + 1
+        self.count[row] = 1
+        self.recount()
+        log.debug("job %d: inferred the start of its epoch %d", row, e + 1)
+        return True
+
+    def _begin(self, row: int, epoch: int) -> None:
+        self.epoch[row] = epoch
+        self.count[row] = 0
+        self.broken[row] = False
+        self.epochs[row] += 1
+        self.boundaries += 1
+
+    def announce(self, epoch: int, row: int | None = None) -> None:
+        """A sampler announced epoch `epoch` for job `row` (None: every job, and the ones
+        that start later): inference stops for it, and a later epoch begins."""
+        rows = list(self.active) if row is None else [row]
+        if row is None:
+            self.start_explicit = True
+            if epoch > self.start_epoch:
+                self.start_epoch = epoch
+                if not rows:
+                    self.boundaries += 1
+        elif row not in self.active:
+            self.join(row)
+        moved = False
+        for r in rows:
+            self.explicit[r] = True
+            if epoch > self.epoch[r]:
+                self._begin(r, epoch)
+                moved = True
+        if moved:
+            self.recount()
+
+    # --- what is left to read -------------------------------------------------------------
+
+    def rank(self, i: int) -> int:
+        """The eviction rank of id `i` now: by the jobs that want it, then by those that
+        consumed it (they read it next epoch); lower ranks go first."""
+        return int(self._want[i] * self.ranks + self._done[i])
+
+    def rank_ids(self, ids: np.ndarray) -> np.ndarray:
+        rank: np.ndarray = self.want[ids].astype(np.int64) * self.ranks + self.done[ids]
+        return rank
+
+    def unread(self, row: int) -> np.ndarray:
+        """Ids of job `row`'s universe it has not read this epoch, with a known path."""
+        n = self.n
+        mask = self.universe[row, :n] & (self.last[row, :n] < self.epoch[row])
+        mask &= self.where[:n] >= 0
+        return np.flatnonzero(mask)
+
+    def read_this_epoch(self, row: int, i: int) -> bool:
+        return bool(self._last[row][i] >= self.epoch[row])
+
+    def path(self, i: int) -> bytes:
+        w = int(self.where[i])
+        return self.listings[w >> 32].child_path(w & 0xFFFFFFFF)
+
+    # --- universes ------------------------------------------------------------------------
+
+    def settle(self) -> bool:
+        """Let the directories of the files read since the last call join their readers'
+        universes (listing_of may start a listing: a later call finds it). True when some
+        universe grew."""
+        pairs = self._unsettled
+        if not pairs:
+            return False
+        self._unsettled = array("q")
+        grown = False
+        seen: set[tuple[int, bytes]] = set()
+        for j in range(0, len(pairs), 2):
+            row, key = pairs[j], pairs[j + 1]
+            if row not in self.active:
+                continue
+            listing = self.listing_of(key)
+            if listing is None or (row, listing.path) in seen:
+                continue
+            seen.add((row, listing.path))
+            grown = self._join_listing(row, listing) or grown
+        return grown
+
+    def _join_listing(self, row: int, listing: Listing) -> bool:
+        index = self._listed.get(listing.path)
+        if index is None or self.listings[index] is not listing:
+            index = self._listed[listing.path] = len(self.listings)
+            self.listings.append(listing)
+            modes = listing.rows["st_mode"].astype(np.int64)
+            rows = np.flatnonzero((modes & 0o170000) == stat.S_IFREG)
+            ids = self._ids(listing.ino[rows].astype(np.int64))
+            self._listing_ids.append(ids)
+            self.sizes[ids] = listing.rows["st_size"][rows]
+            self.where[ids] = (np.int64(index) << np.int64(32)) | rows.astype(np.int64)
+        if index in self._dirs[row]:
+            return False
+        self._dirs[row].add(index)
+        # O(the listing), never O(every file): a dataset has many directories.
+        ids = self._listing_ids[index]
+        universe = self.universe[row]
+        self.size[row] += int(len(ids) - np.count_nonzero(universe[ids]))
+        universe[ids] = True
+        return True
