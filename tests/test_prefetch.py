@@ -105,7 +105,7 @@ def _not_cached(key: int) -> int:
     return 0
 
 
-async def _never_fetched(key: int, path: bytes) -> None:
+async def _never_fetched(items: object) -> None:
     raise AssertionError("the scheduling tests fetch nothing")
 
 
@@ -147,12 +147,29 @@ def test_concurrency_follows_littles_law() -> None:
     pf = _prefetcher(10_000, max_workers=16)
     p = _plan("a", list(range(100)))
     pf.add_plan(p)
-    p.rate, pf.latency = 200.0, 0.005  # 200 reads/s, 5 ms per fetch: ~1 in flight
-    assert pf.target_workers() == 2
-    pf.latency = 0.05  # a slower source needs more in flight
+    # A slow source (5 ms per file) gets a file per fetch call.
+    p.rate, pf.latency, pf.file_seconds = 200.0, 0.005, 0.005
+    assert pf.batch_size() == 1
+    assert pf.target_workers() == 2  # 200 reads/s, 5 ms per fetch: ~1 in flight
+    pf.latency = pf.file_seconds = 0.05  # a slower source needs more in flight
     assert pf.target_workers() == 11
-    pf.latency = 1.0  # but never more than max_workers
+    pf.latency = pf.file_seconds = 1.0  # but never more than max_workers
     assert pf.target_workers() == 16
+
+
+def test_a_fast_source_is_fetched_in_batches() -> None:
+    pf = _prefetcher(10_000, max_workers=16)
+    p = _plan("a", list(range(100)))
+    pf.add_plan(p)
+    # 100 us per file: 20 files would take the 2 ms a batch may, 16 is the cap.
+    p.rate, pf.latency, pf.file_seconds = 2000.0, 0.004, 0.0001
+    assert pf.batch_size() == 16
+    assert pf.target_workers() == 2  # 16 files per 4 ms call keep up with 2000 reads/s
+    pf.file_seconds = 0.0005  # 500 us per file: four per call, so more calls
+    assert pf.batch_size() == 4 and pf.target_workers() == 3
+    batch = pf._next_batch()
+    assert [k for k, _, _ in batch] == [0, 1, 2, 3] and set(pf._inflight) == {0, 1, 2, 3}
+    assert [k for k, _, _ in pf._next_batch()] == [4, 5, 6, 7]  # never a key twice
 
 
 # --- real mounts over a slow source ---------------------------------------------------------
@@ -304,8 +321,8 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
 
-    async def fetch(key: int, path: bytes, size: int | None = None):
-        return b"abc", sig
+    async def fetch(items):
+        return [(b"abc", sig) for _ in items], 1e-5
 
     async def run() -> None:
         pf = Prefetcher(fetch, _not_cached, window=10_000)
@@ -313,7 +330,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         plan.readers = 3  # three members read this plan, each at its own pace
         pf.add_plan(plan)
         pf._inflight[1] = 3  # as the scheduler does before it starts a fetch
-        await pf._fetch(1, b"p1", 3)
+        await pf._fetch([(1, b"p1", 3)])
         for _ in range(3):
             pf.observe(1)  # a member opens it: served from staging
             assert pf.take(1, sig) == b"abc"
@@ -322,7 +339,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         # A file of a plan with one reader is handed over at its first open.
         plan.readers = 1
         pf._inflight[2] = 3
-        await pf._fetch(2, b"p2", 3)
+        await pf._fetch([(2, b"p2", 3)])
         pf.observe(2)
         assert pf.take(2, sig) == b"abc" and pf.take(2, sig) is None
 
@@ -347,6 +364,9 @@ class _CountingSource:
         self.fetches.append(path)
         await trio.sleep(self.delay)
         return bytes(1000), self.stat(int(path[1:]))
+
+    async def read_files(self, items):  # the prefetcher's batches, one file after another
+        return [await self.read_file(path, size) for path, size in items], 1e-5
 
 
 def _cache(source: _CountingSource, window: int = 10_000):

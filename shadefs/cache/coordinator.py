@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 import numpy as np
@@ -33,7 +33,7 @@ import trio
 
 from shadefs.cache.block_keys import by_file
 from shadefs.cache.fetchlog import FetchLog
-from shadefs.cache.flights import Flight, flying
+from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
@@ -55,16 +55,6 @@ class Entry(NamedTuple):
     data: bytes
     sig: Signature
     where: int = 0
-
-
-class _Flight(Flight):
-    __slots__ = ("sig", "ahead", "clean")
-
-    def __init__(self, ahead: bool = False) -> None:
-        super().__init__()
-        self.sig: Signature | None = None
-        self.ahead = ahead  # started by the prefetcher, not by a reader
-        self.clean = True  # the bytes are the whole file (else they are never cached)
 
 
 class Cache:
@@ -116,7 +106,7 @@ class Cache:
         self.shared_fetches = 0
         self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
-        self._flights: dict[int, _Flight] = {}
+        self._flights: dict[int, FileFlight] = {}
         self.fetchlog = FetchLog()  # refetches within an epoch
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
@@ -259,37 +249,41 @@ class Cache:
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
             return Entry(data, flight.sig)
-        flight = _Flight()
+        flight = FileFlight()
         data, sig = await self._fly(key, path, flight, st.st_size)
         if flight.clean and sig.ino == st.st_ino:  # else the path leads to another file now
             self._adopt(key, path, data, sig)
         return Entry(data, sig)
 
     async def _fly(
-        self, key: int, path: bytes, flight: _Flight, size: int | None
+        self, key: int, path: bytes, flight: FileFlight, size: int | None
     ) -> tuple[bytes, Signature]:
         """Fetch `path` (looked up at `size` bytes) from the source as the one flight for `key`."""
         with flying(self._flights, key, flight):
             data, st = await self.source.read_file(path, size)
             self.fetchlog.note(key, len(data))
-            flight.data = data
-            flight.sig = sig = Signature.of(st)
             # Whole (never torn) unless it grew past the bound; maybe not the version looked up.
-            flight.clean = len(data) == st.st_size
-            if not flight.clean:
-                log.debug("%r grew past the size looked up: not cached", path)
-        return data, sig
+            flight.land(data, st)
+        assert flight.sig is not None
+        return data, flight.sig
 
     async def fetch_ahead(
-        self, key: int, path: bytes, size: int | None = None
-    ) -> tuple[bytes, Signature] | None:
-        """The prefetcher's fetch: shares single-flight with readers, admits nothing. None
-        when a reader is fetching the file (and will cache it), or it grew past the bound."""
-        if key in self._flights:
-            return None
-        flight = _Flight(ahead=True)
-        fetched = await self._fly(key, path, flight, size)
-        return fetched if flight.clean else None
+        self, items: Sequence[tuple[int, bytes, int]]
+    ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
+        """The prefetcher's fetch of (key, path, size) `items` in one source call: shares
+        single flight with readers, admits nothing. Per item None when a reader is fetching
+        the file (and will cache it) or it grew past the bound; and the source's seconds
+        per file."""
+        flights, seconds = await fly_many(self._flights, items, self.source.read_files)
+        out: list[tuple[bytes, Signature] | BaseException | None] = []
+        for (key, _, _), f in zip(items, flights, strict=True):
+            if f is None or f.error is not None:
+                out.append(None if f is None else f.error)
+                continue
+            assert f.data is not None and f.sig is not None
+            self.fetchlog.note(key, len(f.data))
+            out.append((f.data, f.sig) if f.clean else None)
+        return out, seconds
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""
