@@ -404,9 +404,14 @@ def _read_fd(fd: int, st: os.stat_result, size: int | None) -> bytes:
     got = 0
     while got < cap:
         # What fstat promised first, then once more to see EOF (or that the file grew).
-        chunk = os.read(fd, min(max(want - got, _MARGIN), cap - got))
+        asked = min(max(want - got, _MARGIN), cap - got)
+        chunk = os.read(fd, asked)
         if not chunk:
             break
         chunks.append(chunk)
         got += len(chunk)
+        if len(chunk) < asked and got >= want:
+            # A short read of a regular file is its end: no read more to see it (the fstat
+            # after the read tells whether the file changed meanwhile).
+            break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import subprocess
@@ -490,3 +491,31 @@ def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
         assert pf._replay_bytes == 0 and not pf.staged
 
     trio.run(run)
+
+
+def test_a_batch_of_fetches_is_logged_as_the_same_fetches_one_by_one() -> None:
+    from shadefs.cache.fetchlog import FetchLog
+
+    rng = np.random.default_rng(1)
+    one, many = FetchLog(), FetchLog()
+    for _ in range(300):
+        keys = rng.choice(3000, size=int(rng.integers(1, 40)), replace=False).tolist()
+        sizes = rng.integers(1, 100, len(keys)).tolist()
+        for k, n in zip(keys, sizes, strict=True):
+            one.note(k, n)
+        many.note_many(keys, sizes)
+        if rng.random() < 0.02:
+            one.new_epoch()
+            many.new_epoch()
+    assert one.describe() == many.describe() and one.describe().refetches > 100
+
+
+def test_a_plans_unread_keys_are_those_with_a_next_use() -> None:
+    rng = np.random.default_rng(2)
+    order = rng.integers(0, 300, 400)  # replays: some keys occur several times
+    plan = Plan("u", order.astype(np.uint64), [b""] * 400, np.ones(400))
+    for key in rng.permutation(order)[:250].tolist():
+        plan.observe(int(key), time.monotonic())
+    keys = np.arange(320, dtype=np.uint64)  # also keys the plan never reads
+    want = [plan.next_use(int(k)) != math.inf for k in keys]
+    assert plan.unread(keys).tolist() == want and 0 < sum(want) < 300

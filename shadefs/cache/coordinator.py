@@ -276,13 +276,16 @@ class Cache:
         per file."""
         flights, seconds = await fly_many(self._flights, items, self.source.read_files)
         out: list[tuple[bytes, Signature] | BaseException | None] = []
+        keys, sizes = [], []
         for (key, _, _), f in zip(items, flights, strict=True):
             if f is None or f.error is not None:
                 out.append(None if f is None else f.error)
                 continue
             assert f.data is not None and f.sig is not None
-            self.fetchlog.note(key, len(f.data))
+            keys.append(key)
+            sizes.append(len(f.data))
             out.append((f.data, f.sig) if f.clean else None)
+        self.fetchlog.note_many(keys, sizes)
         return out, seconds
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:

@@ -76,6 +76,47 @@ class FetchLog:
         self._n += 1
         return False
 
+    def note_many(self, keys: list[int], sizes: list[int]) -> int:
+        """`note` of whole files `keys` (distinct, `sizes` bytes each) in one vectorised
+        pass: a prefetch batch's; returns how many were refetches."""
+        if len(keys) <= 1:
+            return sum(self.note(k, n) for k, n in zip(keys, sizes, strict=True))
+        k = np.array(keys, dtype=np.uint64)
+        seen = self._seen(k)
+        if seen.any() and self.sync is not None:
+            self.sync()  # as in `note`: the latest reads may end the epoch
+            seen = self._seen(k)
+        self.fetches += len(keys)
+        self.fetch_bytes += sum(sizes)
+        again = np.flatnonzero(seen).tolist()
+        for i in again:
+            self.refetches += 1
+            self.refetch_bytes += sizes[i]
+            log.debug("key %d fetched again this epoch", keys[i])
+        fresh = k[~seen] if again else k
+        if self._n + len(fresh) > _PENDING:
+            self._sorted = np.union1d(self._sorted, self._pending[: self._n])
+            self._n = 0
+            if len(fresh) > _PENDING:
+                self._sorted = np.union1d(self._sorted, fresh)
+                return len(again)
+        self._pending[self._n : self._n + len(fresh)] = fresh
+        self._n += len(fresh)
+        return len(again)
+
+    def _seen(self, k: np.ndarray) -> np.ndarray:
+        s = self._sorted
+        seen: np.ndarray
+        if len(s):
+            pos = np.searchsorted(s, k)
+            pos[pos == len(s)] = 0
+            seen = np.equal(s[pos], k)
+        else:
+            seen = np.zeros(len(k), dtype=bool)
+        if self._n:
+            seen |= np.isin(k, self._pending[: self._n])
+        return seen
+
     def new_epoch(self) -> None:
         """An epoch boundary: every file may be fetched once more."""
         self._sorted = np.empty(0, dtype=np.uint64)

@@ -361,26 +361,34 @@ class Prefetcher:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
         if self.before_round is not None:
             self.before_round()  # the readers' latest opens, before deciding to stage
+        landed: list[tuple[int, bytes, Signature]] = []
         for (key, path, _), one in zip(batch, got, strict=True):
             if isinstance(one, BaseException):
                 self.errors += 1
                 log.debug("prefetch of %r failed: %r", path, one)
             elif one is not None:
+                landed.append((key, *one))
                 self.fetched += 1
                 self.fetched_bytes += len(one[0])
-                self._stage(key, *one)
+        if landed:
+            self._stage(landed)
 
-    def _stage(self, key: int, data: bytes, sig: Signature) -> None:
-        if key in self.staged or self._tier_of(key):
-            return  # its reader opened it meanwhile and shared the flight: nothing to stage
-        readers = [p.readers for p in self.plans.values() if p.next_use(key) != math.inf]
-        if not readers:
-            return  # read meanwhile (or its plan ended)
-        self.staged[key] = (data, sig)
-        self.staged_bytes += len(data)
-        if max(readers) > 1:
-            self._takes_left[key] = max(readers)
-            self._held_since[key] = time.monotonic()
+    def _stage(self, landed: list[tuple[int, bytes, Signature]]) -> None:
+        """Stage the fetched files that some plan still reads (one pass per plan)."""
+        keys = np.array([k for k, _, _ in landed], dtype=np.uint64)
+        readers = np.zeros(len(keys), dtype=np.int64)
+        for plan in self.plans.values():
+            readers = np.maximum(readers, np.where(plan.unread(keys), plan.readers, 0))
+        now = time.monotonic()
+        for (key, data, sig), n in zip(landed, readers.tolist(), strict=True):
+            if not n or key in self.staged or self._tier_of(key):
+                # Read meanwhile (its reader shared the flight, or its plan ended).
+                continue
+            self.staged[key] = (data, sig)
+            self.staged_bytes += len(data)
+            if n > 1:
+                self._takes_left[key] = n
+                self._held_since[key] = now
 
     def _planned(self, key: int) -> bool:
         return any(p.next_use(key) != math.inf for p in self.plans.values())
