@@ -493,21 +493,26 @@ def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
     trio.run(run)
 
 
-def test_a_batch_of_fetches_is_logged_as_the_same_fetches_one_by_one() -> None:
+def test_the_fetch_log_counts_a_refetch_of_each_file_fetched_before_in_its_epoch() -> None:
     from shadefs.cache.fetchlog import FetchLog
 
     rng = np.random.default_rng(1)
-    one, many = FetchLog(), FetchLog()
+    log, seen, refetches = FetchLog(), set(), 0  # the log against a plain set per epoch
     for _ in range(300):
         keys = rng.choice(3000, size=int(rng.integers(1, 40)), replace=False).tolist()
-        sizes = rng.integers(1, 100, len(keys)).tolist()
-        for k, n in zip(keys, sizes, strict=True):
-            one.note(k, n)
-        many.note_many(keys, sizes)
+        refetches += len(seen.intersection(keys))
+        seen.update(keys)
+        if len(keys) > 1:  # a prefetch batch
+            log.note_many(keys, [10] * len(keys))
+        else:
+            log.note(keys[0], 10)
+        log.note(-5, 10)  # a block's key: never a refetch
         if rng.random() < 0.02:
-            one.new_epoch()
-            many.new_epoch()
-    assert one.describe() == many.describe() and one.describe().refetches > 100
+            log.new_epoch()
+            seen.clear()
+    stats = log.describe()
+    assert (stats.refetches, stats.refetch_bytes) == (refetches, 10 * refetches)
+    assert refetches > 100
 
 
 def test_a_plans_unread_keys_are_those_with_a_next_use() -> None:

@@ -10,9 +10,10 @@ is a file that a larger cache, or a better-timed prefetch, would have fetched on
 An epoch boundary is any job's new epoch: a sampler's `begin_epoch`, or one that the read
 tracker infers (sampling/epochs.py). With several jobs at different epochs a key fetched
 for one job and again for another after a boundary is not counted, so the counter is a
-lower bound there. The keys are kept in a sorted uint64 array plus a small unsorted
-buffer that is merged in when full (DESIGN.md §6: no Python object per file); a note costs
-one binary search and one short vector comparison, next to a fetch's milliseconds.
+lower bound there. The keys are kept in a sorted uint64 array plus a small set of the
+latest ones (at most _PENDING), merged into the array when full (DESIGN.md §6: no Python
+object per file); a note costs one binary search and one set lookup, and a prefetch
+batch's notes one vectorised search (`note_many`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ class FetchLog:
 
     def __init__(self) -> None:
         self._sorted = np.empty(0, dtype=np.uint64)
-        self._pending = np.empty(_PENDING, dtype=np.uint64)
-        self._n = 0
+        self._pending: set[int] = set()  # the latest keys, not in _sorted yet
         self.fetches = 0
         self.fetch_bytes = 0
         self.refetches = 0
@@ -47,80 +47,56 @@ class FetchLog:
         self.sync: Callable[[], None] | None = None
 
     def __contains__(self, key: int) -> bool:
+        if key in self._pending:
+            return True
         k = np.uint64(key)
         s = self._sorted
         i = int(np.searchsorted(s, k))
-        if i < len(s) and s[i] == k:
-            return True
-        return bool(self._n) and bool((self._pending[: self._n] == k).any())
+        return i < len(s) and bool(s[i] == k)
 
     def note(self, key: int, nbytes: int) -> bool:
         """Count a fetch of `key` (`nbytes` bytes); True if it is a refetch this epoch."""
-        self.fetches += 1
-        self.fetch_bytes += nbytes
-        if key < 0:
-            return False  # a block (cache/block_keys.py): not a whole file
-        seen = key in self
-        if seen and self.sync is not None:
-            self.sync()  # the job's latest reads may end the epoch, which clears the log
-            seen = key in self
-        if seen:
-            self.refetches += 1
-            self.refetch_bytes += nbytes
-            log.debug("key %d fetched again this epoch", key)
-            return True
-        if self._n == _PENDING:
-            self._sorted = np.union1d(self._sorted, self._pending)
-            self._n = 0
-        self._pending[self._n] = key
-        self._n += 1
-        return False
+        return bool(self.note_many([key], [nbytes]))
 
     def note_many(self, keys: list[int], sizes: list[int]) -> int:
-        """`note` of whole files `keys` (distinct, `sizes` bytes each) in one vectorised
-        pass: a prefetch batch's; returns how many were refetches."""
-        if len(keys) <= 1:
-            return sum(self.note(k, n) for k, n in zip(keys, sizes, strict=True))
-        k = np.array(keys, dtype=np.uint64)
-        seen = self._seen(k)
-        if seen.any() and self.sync is not None:
-            self.sync()  # as in `note`: the latest reads may end the epoch
-            seen = self._seen(k)
+        """Count fetches of distinct `keys` (`sizes` bytes each): a reader's fetch or a
+        prefetch batch; returns how many were refetches this epoch."""
         self.fetches += len(keys)
         self.fetch_bytes += sum(sizes)
-        again = np.flatnonzero(seen).tolist()
-        for i in again:
-            self.refetches += 1
-            self.refetch_bytes += sizes[i]
-            log.debug("key %d fetched again this epoch", keys[i])
-        fresh = k[~seen] if again else k
-        if self._n + len(fresh) > _PENDING:
-            self._sorted = np.union1d(self._sorted, self._pending[: self._n])
-            self._n = 0
-            if len(fresh) > _PENDING:
+        files = [i for i, k in enumerate(keys) if k >= 0]  # blocks (block_keys.py) are not
+        seen = self._seen([keys[i] for i in files])
+        if any(seen) and self.sync is not None:
+            self.sync()  # the job's latest reads may end the epoch, which clears the log
+            seen = self._seen([keys[i] for i in files])
+        again = 0
+        for i, was in zip(files, seen, strict=True):
+            key = keys[i]
+            if was:
+                again += 1
+                self.refetches += 1
+                self.refetch_bytes += sizes[i]
+                log.debug("key %d fetched again this epoch", key)
+                continue
+            if len(self._pending) >= _PENDING:
+                fresh = np.fromiter(self._pending, dtype=np.uint64, count=len(self._pending))
                 self._sorted = np.union1d(self._sorted, fresh)
-                return len(again)
-        self._pending[self._n : self._n + len(fresh)] = fresh
-        self._n += len(fresh)
-        return len(again)
+                self._pending.clear()
+            self._pending.add(key)
+        return again
 
-    def _seen(self, k: np.ndarray) -> np.ndarray:
-        s = self._sorted
-        seen: np.ndarray
-        if len(s):
-            pos = np.searchsorted(s, k)
-            pos[pos == len(s)] = 0
-            seen = np.equal(s[pos], k)
-        else:
-            seen = np.zeros(len(k), dtype=bool)
-        if self._n:
-            seen |= np.isin(k, self._pending[: self._n])
-        return seen
+    def _seen(self, keys: list[int]) -> list[bool]:
+        pending, s = self._pending, self._sorted
+        if not len(s) or not keys:
+            return [k in pending for k in keys]
+        k = np.array(keys, dtype=np.uint64)
+        pos = np.searchsorted(s, k)
+        pos[pos == len(s)] = 0
+        return [p or k in pending for p, k in zip((s[pos] == k).tolist(), keys, strict=True)]
 
     def new_epoch(self) -> None:
         """An epoch boundary: every file may be fetched once more."""
         self._sorted = np.empty(0, dtype=np.uint64)
-        self._n = 0
+        self._pending.clear()
 
     def describe(self) -> FetchStats:
         return FetchStats(self.fetches, self.fetch_bytes, self.refetches, self.refetch_bytes)
