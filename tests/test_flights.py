@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from shadefs.cache.flights import FileFlight, fly_many
+from shadefs.cache.ssd_format import Signature
 
 
 def _st(size: int) -> SimpleNamespace:
@@ -32,9 +33,10 @@ def test_a_batch_is_one_flight_per_key_and_a_reader_joins_it() -> None:
         items = [(1, b"a", 2), (2, b"b", 2), (9, b"x", 2), (3, b"c", 2)]
         out: list = []
         joined: list = []
+        noted: list = []
 
         async def batch() -> None:
-            out.extend((await fly_many(flights, items, read_many))[0])
+            out.extend((await fly_many(flights, items, read_many, lambda k, s: noted.append(k)))[0])
 
         async def reader() -> None:
             joined.append(await flights[1].result())  # opens 1 while the batch reads it
@@ -49,10 +51,11 @@ def test_a_batch_is_one_flight_per_key_and_a_reader_joins_it() -> None:
         assert asked == [[b"a", b"b", b"c"]]  # 9 is left to its own flight
         assert joined == [b"aa"] and set(flights) == {9}
         one, two, nine, three = out
-        assert one.data == b"aa" and one.clean and one.ahead
-        assert isinstance(two.error, pyfuse3.FUSEError) and two.error.errno == errno.ENOENT
+        assert one == (b"aa", Signature(2, 1, 1, 7))
+        assert isinstance(two, pyfuse3.FUSEError) and two.errno == errno.ENOENT
         assert nine is None
-        assert three.data == b"ccc" and not three.clean  # grew past its size: never cached
+        assert three is None  # it grew past its size: never cached, nor staged
+        assert noted == [[1, 3]]  # the fetch log hears of what crossed the link
 
     trio.run(run)
 
@@ -70,7 +73,7 @@ def test_a_failed_batch_fails_every_flight_and_leaves_none() -> None:
 
         async def batch() -> None:
             with pytest.raises(RuntimeError):  # the original error propagates
-                await fly_many(flights, [(1, b"a", 1), (2, b"b", 1)], read_many)
+                await fly_many(flights, [(1, b"a", 1), (2, b"b", 1)], read_many, lambda k, s: None)
             got.append("raised")
 
         async def reader() -> None:

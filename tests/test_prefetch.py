@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pyfuse3
 import pytest
 import trio
 
@@ -524,3 +526,29 @@ def test_a_plans_unread_keys_are_those_with_a_next_use() -> None:
     keys = np.arange(320, dtype=np.uint64)  # also keys the plan never reads
     want = [plan.next_use(int(k)) != math.inf for k in keys]
     assert plan.unread(keys).tolist() == want and 0 < sum(want) < 300
+
+
+def test_a_reader_that_joined_a_failed_prefetch_batch_fetches_its_file_alone() -> None:
+    class _FailingBatches(_CountingSource):
+        healthy = True
+
+        async def read_files(self, items):
+            await trio.sleep(self.delay)
+            raise pyfuse3.FUSEError(errno.EIO)  # say, another file of the batch failed
+
+    async def run() -> None:
+        source = _FailingBatches(delay=0.05)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("a", [2, 3], size=1000))
+            await trio.sleep(0.01)
+            assert 2 in cache._flights  # the batch is in flight
+            data = await cache.open(2, b"p2", source.stat(2))  # joins it; it fails
+            nursery.cancel_scope.cancel()
+        assert data == bytes(1000) and source.fetches == [b"p2"]  # then fetched alone
+        assert pf.errors == 2
+
+    trio.run(run)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 import numpy as np
+import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import by_file
@@ -241,7 +242,13 @@ class Cache:
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
-            data = await flight.result()
+            try:
+                data = await flight.result()
+            except pyfuse3.FUSEError:
+                # A prefetch batch failed, maybe for another of its files: fetch it alone.
+                if not flight.ahead or not self.source.healthy:
+                    raise
+                return await self._fetch(key, path, st)
             assert flight.sig is not None
             if flight.ahead and flight.clean and flight.sig.ino == st.st_ino:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
@@ -274,19 +281,7 @@ class Cache:
         single flight with readers, admits nothing. Per item None when a reader is fetching
         the file (and will cache it) or it grew past the bound; and the source's seconds
         per file."""
-        flights, seconds = await fly_many(self._flights, items, self.source.read_files)
-        out: list[tuple[bytes, Signature] | BaseException | None] = []
-        keys, sizes = [], []
-        for (key, _, _), f in zip(items, flights, strict=True):
-            if f is None or f.error is not None:
-                out.append(None if f is None else f.error)
-                continue
-            assert f.data is not None and f.sig is not None
-            keys.append(key)
-            sizes.append(len(f.data))
-            out.append((f.data, f.sig) if f.clean else None)
-        self.fetchlog.note_many(keys, sizes)
-        return out, seconds
+        return await fly_many(self._flights, items, self.source.read_files, self.fetchlog.note_many)
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""

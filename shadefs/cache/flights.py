@@ -95,11 +95,14 @@ async def fly_many(
     flights: dict[int, FileFlight],
     items: Sequence[tuple[int, bytes, int | None]],
     read_many: ReadMany,
-) -> tuple[list[FileFlight | None], float]:
+    note: Callable[[list[int], list[int]], object],
+) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
     """Fetch the (key, path, size) `items` in one source call, each as the one flight of
-    its key (started by the prefetcher); a key already in flight is left to that flight
-    (None). Every flight has landed or failed on return, and none is registered any more.
-    Also returns the source's seconds per file (`ReadMany`)."""
+    its key (started by the prefetcher); a key already in flight is left to that flight.
+    Every flight has landed or failed on return, and none is registered any more; `note`
+    is told the keys and sizes fetched (the fetch log). Per item: (bytes, signature) of the
+    whole file, its error, or None (in flight already, or it grew past its size); and the
+    source's seconds per file (`ReadMany`)."""
     mine: list[tuple[int, bytes, int | None]] = []
     fl: list[FileFlight] = []
     for key, path, size in items:
@@ -118,12 +121,18 @@ async def fly_many(
             del flights[key]
             flight.done.set()
         raise
+    ours: dict[int, tuple[bytes, Signature] | BaseException | None] = {}
+    keys, sizes = [], []
     for (key, _, _), flight, one in zip(mine, fl, got, strict=True):
         if isinstance(one, pyfuse3.FUSEError):
-            flight.error = one
+            flight.error = ours[key] = one
         else:
             flight.land(*one)
+            assert flight.sig is not None
+            ours[key] = (one[0], flight.sig) if flight.clean else None
+            keys.append(key)
+            sizes.append(len(one[0]))
         del flights[key]  # before the event: a waiter that misses again starts afresh
         flight.done.set()
-    ours = dict(zip([k for k, _, _ in mine], fl, strict=True))
+    note(keys, sizes)
     return [ours.get(k) for k, _, _ in items], seconds
