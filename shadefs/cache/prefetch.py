@@ -390,9 +390,6 @@ class Prefetcher:
                 self._takes_left[key] = n
                 self._held_since[key] = now
 
-    def _planned(self, key: int) -> bool:
-        return any(p.next_use(key) != math.inf for p in self.plans.values())
-
     def _expire(self) -> None:
         now = time.monotonic()
         ended = []
@@ -415,10 +412,19 @@ class Prefetcher:
             self._drop_unplanned()
 
     def _drop_unplanned(self) -> None:
+        """Unstage what no plan reads any more (one vectorised pass per plan: a plan is
+        replaced, for speculation several times a second, with thousands staged)."""
+        if not self.staged:
+            return
+        keys = np.fromiter(self.staged, dtype=np.uint64, count=len(self.staged))
+        planned = np.zeros(len(keys), dtype=bool)
+        for plan in self.plans.values():
+            planned |= plan.unread(keys)
         held = self._takes_left
-        for key in [k for k in self.staged if k not in held and not self._planned(k)]:
-            self._unstage(key)
-            self.wasted += 1
+        for key in keys[~planned].tolist():
+            if key not in held:
+                self._unstage(key)
+                self.wasted += 1
 
     def describe(self) -> PrefetchStats:
         return PrefetchStats(
