@@ -16,10 +16,13 @@ are shadefs's figures divided by it. The cold figure is also measured with --no-
 and with --no-prefetch.
 
 Requests per sample come from each daemon's own counters (shadefs's stats.json `requests`,
-floorfs's `user.floorfs.requests` xattr). With --profile DIR, py-spy (pip install py-spy;
-root can attach to any process) records each pass into DIR/<config>-<pass>.txt as collapsed
-stacks, and the top entries (own and total time) are printed; sampling disturbs the
-figures, so profile in a separate run.
+floorfs's `user.floorfs.requests` xattr), and for shadefs how the misses were served, per
+open: from the prefetcher's staging, by joining a flight in progress, or fetched by the
+opener itself (stats.json `misses`, `fetches_shared`, `prefetch.served`).
+
+With --profile DIR, py-spy (pip install py-spy; root can attach to any process) records
+each pass into DIR/<config>-<pass>.txt as collapsed stacks, and the top entries (own and
+total time) are printed; sampling disturbs the figures, so profile in a separate run.
 """
 
 from __future__ import annotations
