@@ -108,6 +108,19 @@ def test_snapshot_finds_names_by_binary_search(tmp_path: Path) -> None:
     assert snap.stat(0).st_mode == os.lstat(tmp_path).st_mode
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.sets(st.binary(min_size=1, max_size=12), min_size=17, max_size=80), st.data())
+def test_a_long_listing_finds_names_by_their_hashes(names: set[bytes], data) -> None:
+    listed = sorted(names)
+    stat0 = os.lstat(".")
+    _, rows, _ = scan_rows([(n, stat0) for n in listed])
+    snap = Snapshot(5, b"d", listed, rows, np.arange(len(listed), dtype=np.uint64), 0.0)
+    for i, n in enumerate(listed):
+        assert snap.find(n) == i
+    other = data.draw(st.binary(max_size=13).filter(lambda b: b not in names))
+    assert snap.find(other) == -1
+
+
 async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
     tmp_path: Path,
 ) -> None:

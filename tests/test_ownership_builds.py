@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+import pytest
 import trio
 import trio.testing
 
 from shadefs.cache.policies import EpochPolicy, Owned
-from shadefs.sampling import wire_nodes
+from shadefs.sampling import builds, wire_nodes
 from tests.test_placement import IDS, _installed
 
 
-def test_guests_are_found_in_a_worker_thread_and_only_for_the_current_ownership() -> None:
+def test_guests_are_found_in_a_worker_thread_and_only_for_the_current_ownership(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     n = 40
     s = _installed(n)  # keys 100..139
     msg = wire_nodes.decode_node_order(
@@ -29,7 +35,16 @@ def test_guests_are_found_in_a_worker_thread_and_only_for_the_current_ownership(
     assert guests == expected  # in the entries' order, oldest first
     policy.reclassify(guests)
     assert list(policy.guests) == expected
-    # An ownership installed while the guests were found: that answer is stale.
+    # An ownership installed while the guests were found: that answer is stale. The worker
+    # thread waits until the new ownership is in (else it may finish before).
+    gate = threading.Event()
+    find = builds.unowned
+
+    def held(*args: Any) -> list[int]:
+        gate.wait(10)
+        return find(*args)
+
+    monkeypatch.setattr(builds, "unowned", held)
 
     async def changed_meanwhile() -> list[int] | None:
         async with trio.open_nursery() as nursery:
@@ -41,6 +56,7 @@ def test_guests_are_found_in_a_worker_thread_and_only_for_the_current_ownership(
             nursery.start_soon(ask)
             await trio.testing.wait_all_tasks_blocked()
             s.install(msg)  # a new epoch's placement: a new owner array
+            gate.set()
         return result[0]
 
     assert trio.run(changed_meanwhile) is None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import math
 import os
 import random
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pyfuse3
 import pytest
 import trio
 
@@ -105,7 +108,7 @@ def _not_cached(key: int) -> int:
     return 0
 
 
-async def _never_fetched(key: int, path: bytes) -> None:
+async def _never_fetched(items: object) -> None:
     raise AssertionError("the scheduling tests fetch nothing")
 
 
@@ -147,12 +150,29 @@ def test_concurrency_follows_littles_law() -> None:
     pf = _prefetcher(10_000, max_workers=16)
     p = _plan("a", list(range(100)))
     pf.add_plan(p)
-    p.rate, pf.latency = 200.0, 0.005  # 200 reads/s, 5 ms per fetch: ~1 in flight
-    assert pf.target_workers() == 2
-    pf.latency = 0.05  # a slower source needs more in flight
+    # A slow source (5 ms per file) gets a file per fetch call.
+    p.rate, pf.latency, pf.file_seconds = 200.0, 0.005, 0.005
+    assert pf.batch_size() == 1
+    assert pf.target_workers() == 2  # 200 reads/s, 5 ms per fetch: ~1 in flight
+    pf.latency = pf.file_seconds = 0.05  # a slower source needs more in flight
     assert pf.target_workers() == 11
-    pf.latency = 1.0  # but never more than max_workers
+    pf.latency = pf.file_seconds = 1.0  # but never more than max_workers
     assert pf.target_workers() == 16
+
+
+def test_a_fast_source_is_fetched_in_batches() -> None:
+    pf = _prefetcher(10_000, max_workers=16)
+    p = _plan("a", list(range(100)))
+    pf.add_plan(p)
+    # 100 us per file: 20 files would take the 2 ms a batch may, 16 is the cap.
+    p.rate, pf.latency, pf.file_seconds = 2000.0, 0.004, 0.0001
+    assert pf.batch_size() == 16
+    assert pf.target_workers() == 2  # 16 files per 4 ms call keep up with 2000 reads/s
+    pf.file_seconds = 0.0005  # 500 us per file: four per call, so more calls
+    assert pf.batch_size() == 4 and pf.target_workers() == 3
+    batch = pf._next_batch()
+    assert [k for k, _, _ in batch] == [0, 1, 2, 3] and set(pf._inflight) == {0, 1, 2, 3}
+    assert [k for k, _, _ in pf._next_batch()] == [4, 5, 6, 7]  # never a key twice
 
 
 # --- real mounts over a slow source ---------------------------------------------------------
@@ -304,8 +324,8 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
 
-    async def fetch(key: int, path: bytes, size: int | None = None):
-        return b"abc", sig
+    async def fetch(items):
+        return [(b"abc", sig) for _ in items], 1e-5
 
     async def run() -> None:
         pf = Prefetcher(fetch, _not_cached, window=10_000)
@@ -313,7 +333,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         plan.readers = 3  # three members read this plan, each at its own pace
         pf.add_plan(plan)
         pf._inflight[1] = 3  # as the scheduler does before it starts a fetch
-        await pf._fetch(1, b"p1", 3)
+        await pf._fetch([(1, b"p1", 3)])
         for _ in range(3):
             pf.observe(1)  # a member opens it: served from staging
             assert pf.take(1, sig) == b"abc"
@@ -322,7 +342,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         # A file of a plan with one reader is handed over at its first open.
         plan.readers = 1
         pf._inflight[2] = 3
-        await pf._fetch(2, b"p2", 3)
+        await pf._fetch([(2, b"p2", 3)])
         pf.observe(2)
         assert pf.take(2, sig) == b"abc" and pf.take(2, sig) is None
 
@@ -347,6 +367,9 @@ class _CountingSource:
         self.fetches.append(path)
         await trio.sleep(self.delay)
         return bytes(1000), self.stat(int(path[1:]))
+
+    async def read_files(self, items):  # the prefetcher's batches, one file after another
+        return [await self.read_file(path, size) for path, size in items], 1e-5
 
 
 def _cache(source: _CountingSource, window: int = 10_000):
@@ -483,3 +506,77 @@ def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
         assert pf._replay_bytes == 0 and not pf.staged
 
     trio.run(run)
+
+
+def test_the_fetch_log_counts_a_refetch_of_each_file_fetched_before_in_its_epoch() -> None:
+    from shadefs.cache.fetchlog import FetchLog
+
+    rng = np.random.default_rng(1)
+    log, seen, refetches = FetchLog(), set(), 0  # the log against a plain set per epoch
+    for _ in range(300):
+        keys = rng.choice(3000, size=int(rng.integers(1, 40)), replace=False).tolist()
+        refetches += len(seen.intersection(keys))
+        seen.update(keys)
+        if len(keys) > 1:  # a prefetch batch
+            log.note_many(keys, [10] * len(keys))
+        else:
+            log.note(keys[0], 10)
+        log.note(-5, 10)  # a block's key: never a refetch
+        if rng.random() < 0.02:
+            log.new_epoch()
+            seen.clear()
+    stats = log.describe()
+    assert (stats.refetches, stats.refetch_bytes) == (refetches, 10 * refetches)
+    assert refetches > 100
+
+
+def test_a_plans_unread_keys_are_those_with_a_next_use() -> None:
+    rng = np.random.default_rng(2)
+    order = rng.integers(0, 300, 400)  # replays: some keys occur several times
+    plan = Plan("u", order.astype(np.uint64), [b""] * 400, np.ones(400))
+    for key in rng.permutation(order)[:250].tolist():
+        plan.observe(int(key), time.monotonic())
+    keys = np.arange(320, dtype=np.uint64)  # also keys the plan never reads
+    want = [plan.next_use(int(k)) != math.inf for k in keys]
+    assert plan.unread(keys).tolist() == want and 0 < sum(want) < 300
+
+
+def test_a_reader_that_joined_a_failed_prefetch_batch_fetches_its_file_alone() -> None:
+    class _FailingBatches(_CountingSource):
+        healthy = True
+
+        async def read_files(self, items):
+            await trio.sleep(self.delay)
+            raise pyfuse3.FUSEError(errno.EIO)  # say, another file of the batch failed
+
+    async def run() -> None:
+        source = _FailingBatches(delay=0.05)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("a", [2, 3], size=1000))
+            await trio.sleep(0.01)
+            assert 2 in cache._flights  # the batch is in flight
+            data = await cache.open(2, b"p2", source.stat(2))  # joins it; it fails
+            nursery.cancel_scope.cancel()
+        assert data == bytes(1000) and source.fetches == [b"p2"]  # then fetched alone
+        assert pf.errors == 2
+
+    trio.run(run)
+
+
+def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take() -> None:
+    from shadefs.cache.ssd_format import Signature
+
+    sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
+    pf = _prefetcher(10_000)
+    pf.add_plan(_plan("a", [1, 2, 3, 4]))
+    pf.add_plan(_plan("b", [9]))
+    for key in (1, 2, 3, 4, 9):
+        pf.staged[key] = (b"abc", sig)
+        pf.staged_bytes += 3
+    pf._takes_left[4] = 2  # a sweep group's member behind the fastest will still open 4
+    pf.add_plan(_plan("a", [2, 3]))  # the next version of plan a reads 1 and 4 no more
+    assert set(pf.staged) == {2, 3, 4, 9} and pf.wasted == 1 and pf.staged_bytes == 12

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import by_file
 from shadefs.cache.fetchlog import FetchLog
-from shadefs.cache.flights import FileFlight, flying
+from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Policy, make_policy
@@ -244,7 +245,13 @@ class Cache:
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
-            data = await flight.result()
+            try:
+                data = await flight.result()
+            except pyfuse3.FUSEError:
+                # A prefetch batch failed, maybe for another of its files: fetch it alone.
+                if not flight.ahead or not self.source.healthy:
+                    raise
+                return await self._fetch(key, path, st)
             assert flight.sig is not None
             if flight.ahead and flight.clean and flight.sig.ino == st.st_ino:
                 # The prefetcher got it just in time: from here on it is an ordinary miss.
@@ -265,24 +272,19 @@ class Cache:
         with flying(self._flights, key, flight):
             data, st = await self.source.read_file(path, size)
             self.fetchlog.note(key, len(data))
-            flight.data = data
-            flight.sig = sig = Signature.of(st)
             # Whole (never torn) unless it grew past the bound; maybe not the version looked up.
-            flight.clean = len(data) == st.st_size
-            if not flight.clean:
-                log.debug("%r grew past the size looked up: not cached", path)
-        return data, sig
+            flight.land(data, st)
+        assert flight.sig is not None
+        return data, flight.sig
 
     async def fetch_ahead(
-        self, key: int, path: bytes, size: int | None = None
-    ) -> tuple[bytes, Signature] | None:
-        """The prefetcher's fetch: shares single-flight with readers, admits nothing. None
-        when a reader is fetching the file (and will cache it), or it grew past the bound."""
-        if key in self._flights:
-            return None
-        flight = FileFlight(ahead=True)
-        fetched = await self._fly(key, path, flight, size)
-        return fetched if flight.clean else None
+        self, items: Sequence[tuple[int, bytes, int]]
+    ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
+        """The prefetcher's fetch of (key, path, size) `items` in one source call: shares
+        single flight with readers, admits nothing. Per item None when a reader is fetching
+        the file (and will cache it) or it grew past the bound; and the source's seconds
+        per file."""
+        return await fly_many(self._flights, items, self.source.read_files, self.fetchlog.note_many)
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""

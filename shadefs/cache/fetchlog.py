@@ -12,9 +12,10 @@ tracker (readers/tracker.py, `boundaries`) at every note, and the tracker has ta
 open in before its fetch starts, so a job's first fetches of a new epoch are never counted
 against the last one. With several jobs at different epochs a key fetched
 for one job and again for another after a boundary is not counted, so the counter is a
-lower bound there. The keys are kept in a sorted uint64 array plus a small unsorted
-buffer that is merged in when full (DESIGN.md §6: no Python object per file); a note costs
-one binary search and one short vector comparison, next to a fetch's milliseconds.
+lower bound there. The keys are kept in a sorted uint64 array plus a small set of the
+latest ones (at most _PENDING), merged into the array when full (DESIGN.md §6: no Python
+object per file); a note costs one binary search and one set lookup, and a prefetch
+batch's notes one vectorised search (`note_many`).
 """
 
 from __future__ import annotations
@@ -40,49 +41,66 @@ class FetchLog:
         self.tracker = tracker if tracker is not None else Tracker()
         self._boundaries = self.tracker.boundaries
         self._sorted = np.empty(0, dtype=np.uint64)
-        self._pending = np.empty(_PENDING, dtype=np.uint64)
-        self._n = 0
+        self._pending: set[int] = set()  # the latest keys, not in _sorted yet
         self.fetches = 0
         self.fetch_bytes = 0
         self.refetches = 0
         self.refetch_bytes = 0
 
     def __contains__(self, key: int) -> bool:
+        if key in self._pending:
+            return True
         k = np.uint64(key)
         s = self._sorted
         i = int(np.searchsorted(s, k))
-        if i < len(s) and s[i] == k:
-            return True
-        return bool(self._n) and bool((self._pending[: self._n] == k).any())
+        return i < len(s) and bool(s[i] == k)
 
     def note(self, key: int, nbytes: int) -> bool:
         """Count a fetch of `key` (`nbytes` bytes); True if it is a refetch this epoch."""
-        self.fetches += 1
-        self.fetch_bytes += nbytes
-        if key < 0:
-            return False  # a block (cache/block_keys.py): not a whole file
+        return bool(self.note_many([key], [nbytes]))
+
+    def note_many(self, keys: list[int], sizes: list[int]) -> int:
+        """Count fetches of distinct `keys` (`sizes` bytes each): a reader's fetch or a
+        prefetch batch; returns how many were refetches this epoch."""
+        self.fetches += len(keys)
+        self.fetch_bytes += sum(sizes)
         if self.tracker.boundaries != self._boundaries:
             self._boundaries = self.tracker.boundaries
             self.new_epoch()  # some job began an epoch since the last fetch
-        if key in self:
-            self.refetches += 1
-            self.refetch_bytes += nbytes
-            log.debug("key %d fetched again this epoch", key)
-            return True
-        if self._n == _PENDING:
-            # Merge the small sorted batch in (O(n) copies): a union1d re-sorted every key
-            # noted, 0.1 s and more of the event loop every 512 fetches at 1.28 M files.
-            batch = np.sort(self._pending)  # distinct: a key noted twice is a refetch
-            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, batch), batch)
-            self._n = 0
-        self._pending[self._n] = key
-        self._n += 1
-        return False
+        files = [i for i, k in enumerate(keys) if k >= 0]  # blocks (block_keys.py) are not
+        seen = self._seen([keys[i] for i in files])
+        again = 0
+        for i, was in zip(files, seen, strict=True):
+            key = keys[i]
+            if was:
+                again += 1
+                self.refetches += 1
+                self.refetch_bytes += sizes[i]
+                log.debug("key %d fetched again this epoch", key)
+                continue
+            if len(self._pending) >= _PENDING:
+                # Merge the small sorted batch in (O(n) copies): a union1d re-sorted every
+                # key noted, 0.1 s and more of the event loop every 512 fetches at 1.28 M.
+                batch = np.sort(np.fromiter(self._pending, np.uint64, len(self._pending)))
+                pos = np.searchsorted(self._sorted, batch)
+                self._sorted = np.insert(self._sorted, pos, batch)
+                self._pending.clear()
+            self._pending.add(key)
+        return again
+
+    def _seen(self, keys: list[int]) -> list[bool]:
+        pending, s = self._pending, self._sorted
+        if not len(s) or not keys:
+            return [k in pending for k in keys]
+        k = np.array(keys, dtype=np.uint64)
+        pos = np.searchsorted(s, k)
+        pos[pos == len(s)] = 0
+        return [p or k in pending for p, k in zip((s[pos] == k).tolist(), keys, strict=True)]
 
     def new_epoch(self) -> None:
         """An epoch boundary (the tracker's): every file may be fetched once more."""
         self._sorted = np.empty(0, dtype=np.uint64)
-        self._n = 0
+        self._pending.clear()
 
     def describe(self) -> FetchStats:
         return FetchStats(self.fetches, self.fetch_bytes, self.refetches, self.refetch_bytes)

@@ -117,3 +117,19 @@ class Plan:
         while i < len(occ) and self._consumed[occ[i]]:
             i += 1
         return float(occ[i] - self.cursor) if i < len(occ) else math.inf
+
+    def unread(self, keys: np.ndarray) -> np.ndarray:
+        """Which of `keys` (uint64) this plan still reads (`next_use` is finite: an
+        occurrence not consumed yet, as every position before the cursor is), in one
+        vectorised pass (a prefetch batch's keys)."""
+        s = self._sorted
+        if not len(s):
+            return np.zeros(len(keys), dtype=bool)
+        lo = np.searchsorted(s, keys, "left")
+        n = np.searchsorted(s, keys, "right") - lo
+        out = np.zeros(len(keys), dtype=bool)
+        one = n == 1
+        out[one] = ~self._consumed[self._positions[lo[one]]]
+        for i in np.flatnonzero(n > 1).tolist():  # a replayed sample: its occurrences in turn
+            out[i] = self.next_use(int(keys[i])) != math.inf
+        return out

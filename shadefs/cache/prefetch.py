@@ -20,7 +20,14 @@ Scheduling (Lobster):
 - adaptive concurrency: by Little's law, the number of fetches in flight needed to keep up is
   the readers' consumption rate times the source latency. Both are measured (EWMA), and the
   target is bounded by `max_workers`. So the prefetcher neither starves the readers nor
-  floods the source with more requests than the readers can use.
+  floods the source with more requests than the readers can use;
+- batches: one fetch call reads several files in one worker thread, as many as the source
+  reads in about `_BATCH_SECONDS` (its own time per file, measured in the thread). A thread
+  hop and a scheduling round cost far more CPU than reading a small file from a fast
+  source, so on one the prefetcher keeps ahead at a fraction of the CPU; a slow source
+  (NFS, ms per file) gets one file per call, and parallel calls, as before. A round runs
+  when a batch lands, or when a take frees room in a window that had held the last round
+  back, not on every open.
 
 A sweep group's plan has several readers (`Plan.readers`, its members, which read one
 order each at their own pace; the cursor follows the fastest). A file staged for it stays
@@ -52,7 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,10 +75,18 @@ __all__ = ["FetchAhead", "Plan", "PrefetchSettings", "Prefetcher"]
 log = logging.getLogger(__name__)
 
 _EWMA = 0.2
+# A batch reads about this long in its worker thread (the source's own time per file).
+_BATCH_SECONDS = 0.002
+_BATCH_FILES = 16
+_BATCH_BYTES = 4 << 20
 
-# The cache's fetch for the prefetcher: (bytes, signature), or None when a reader is already
-# fetching the file (the reader will cache it).
-FetchAhead = Callable[[int, bytes, int], Awaitable[tuple[bytes, Signature] | None]]
+# The cache's fetch for the prefetcher, of (key, path, size) items in one source call: per
+# item (bytes, signature), its error, or None when a reader is already fetching the file
+# (the reader will cache it); and the source's seconds per file.
+FetchAhead = Callable[
+    [Sequence[tuple[int, bytes, int]]],
+    Awaitable[tuple[list[tuple[bytes, Signature] | BaseException | None], float]],
+]
 
 
 @dataclass(frozen=True)
@@ -118,11 +133,14 @@ class Prefetcher:
         self._takes_left: dict[int, int] = {}  # staged key -> opens that will still take it
         self._held_since: dict[int, float] = {}  # those keys -> when they were staged
         self._inflight: dict[int, int] = {}  # key -> size
+        self._calls = 0  # fetch calls (batches) in flight
+        self._held_back = False  # the last round stopped at a full window
         self._replays: set[int] = set()  # staged keys held for a replay beyond the window
         self._replay_bytes = 0
         self._inflight_bytes = 0
         self._wake = trio.Event()
-        self.latency = 0.01  # seconds per fetch, EWMA
+        self.latency = 0.01  # seconds per fetch call, EWMA
+        self.file_seconds = 0.0005  # the source's own seconds per file, EWMA
         self.fetched = 0
         self.fetched_bytes = 0
         self.served = 0
@@ -206,7 +224,10 @@ class Prefetcher:
             self.served += 1
             return data
         self._unstage(key)
-        self._wake.set()
+        if self._held_back and self.staged_bytes + self._inflight_bytes <= self.window - min(
+            self.window // 8, _BATCH_BYTES
+        ):
+            self._wake.set()  # room for a batch in a window that held the last round back
         if staged_sig != sig:
             self.wasted += 1
             return None
@@ -242,9 +263,15 @@ class Prefetcher:
 
     # --- the fetch side -------------------------------------------------------------------
 
+    def batch_size(self) -> int:
+        """Files per fetch call: what the source reads in about _BATCH_SECONDS."""
+        return max(1, min(_BATCH_FILES, int(_BATCH_SECONDS / max(self.file_seconds, 1e-6))))
+
     def target_workers(self) -> int:
+        """Fetch calls in flight: each brings `batch_size` files per `latency` seconds."""
         rate = sum(p.rate for p in self.plans.values() if not p.done)
-        return max(1, min(self.max_workers, math.ceil(rate * self.latency) + 1))
+        need = rate * self.latency / self.batch_size()
+        return max(1, min(self.max_workers, math.ceil(need) + 1))
 
     def _next_item(self) -> tuple[Plan, int] | None:
         active = [p for p in self.plans.values() if not p.done]
@@ -260,6 +287,7 @@ class Prefetcher:
                         plan.frontier += 1  # can never fit: the reader fetches it itself
                         self.skipped += 1
                         continue
+                    self._held_back = True
                     break  # window full for now: try the next plan
                 plan.frontier += 1
                 if plan.consumed(pos):
@@ -283,50 +311,79 @@ class Prefetcher:
                 with trio.move_on_after(0.5):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                self._held_back = False
                 self._expire()
-                while len(self._inflight) < self.target_workers():
-                    item = self._next_item()
-                    if item is None:
+                while self._calls < self.target_workers():
+                    batch = self._next_batch()
+                    if not batch:
                         break
-                    plan, pos = item
-                    key, size = int(plan.keys[pos]), int(plan.sizes[pos])
-                    self._inflight[key] = size
-                    self._inflight_bytes += size
-                    nursery.start_soon(self._fetch, key, plan.paths[pos], size)
+                    self._calls += 1
+                    nursery.start_soon(self._fetch, batch)
 
-    async def _fetch(self, key: int, path: bytes, size: int) -> None:
+    def _next_batch(self) -> list[tuple[int, bytes, int]]:
+        """The next fetch call's (key, path, size) items, counted in flight."""
+        batch: list[tuple[int, bytes, int]] = []
+        n, nbytes = self.batch_size(), 0
+        while len(batch) < n and nbytes < _BATCH_BYTES:
+            item = self._next_item()
+            if item is None:
+                break
+            plan, pos = item
+            key, size = int(plan.keys[pos]), int(plan.sizes[pos])
+            self._inflight[key] = size
+            self._inflight_bytes += size
+            nbytes += size
+            batch.append((key, plan.paths[pos], size))
+        return batch
+
+    async def _fetch(self, batch: Sequence[tuple[int, bytes, int]]) -> None:
+        """One fetch call: `batch`'s files read in one worker thread, then staged."""
         t0 = time.monotonic()
         try:
-            fetched = await self._fetch_ahead(key, path, size)
+            got, seconds = await self._fetch_ahead(batch)
         except pyfuse3.FUSEError as exc:
-            self.errors += 1
-            log.debug("prefetch of %r failed: errno %d", path, exc.errno)
-            fetched = None
+            self.errors += len(batch)
+            log.debug("prefetch of %d files failed: errno %d", len(batch), exc.errno)
+            return
         finally:
-            del self._inflight[key]
-            self._inflight_bytes -= size
+            self._calls -= 1
+            for key, _, size in batch:
+                del self._inflight[key]
+                self._inflight_bytes -= size
             self._wake.set()
-        if fetched is None:
-            return
-        data, sig = fetched
-        dt = time.monotonic() - t0
-        self.latency = (1 - _EWMA) * self.latency + _EWMA * dt
-        self.fetched += 1
-        self.fetched_bytes += len(data)
+        self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
+        if seconds > 0:
+            self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
         # A plan knows the reads it has not taken in yet (a speculative plan's job's log):
-        # `_planned` asks the plans, never their planner, so a fetch re-enters no planner.
-        if key in self.staged or self._tier_of(key) or not self._planned(key):
-            # Its reader opened it meanwhile and shared the flight: nothing to stage.
-            return
-        self.staged[key] = (data, sig)
-        self.staged_bytes += len(data)
-        readers = max(p.readers for p in self.plans.values() if p.next_use(key) != math.inf)
-        if readers > 1:
-            self._takes_left[key] = readers
-            self._held_since[key] = time.monotonic()
+        # `_stage` asks the plans, never their planner, so a fetch re-enters no planner.
+        landed: list[tuple[int, bytes, Signature]] = []
+        for (key, path, _), one in zip(batch, got, strict=True):
+            if isinstance(one, BaseException):
+                self.errors += 1
+                log.debug("prefetch of %r failed: %r", path, one)
+            elif one is not None:
+                landed.append((key, *one))
+                self.fetched += 1
+                self.fetched_bytes += len(one[0])
+        if landed:
+            self._stage(landed)
 
-    def _planned(self, key: int) -> bool:
-        return any(p.next_use(key) != math.inf for p in self.plans.values())
+    def _stage(self, landed: list[tuple[int, bytes, Signature]]) -> None:
+        """Stage the fetched files that some plan still reads (one pass per plan)."""
+        keys = np.array([k for k, _, _ in landed], dtype=np.uint64)
+        readers = np.zeros(len(keys), dtype=np.int64)
+        for plan in self.plans.values():
+            readers = np.maximum(readers, np.where(plan.unread(keys), plan.readers, 0))
+        now = time.monotonic()
+        for (key, data, sig), n in zip(landed, readers.tolist(), strict=True):
+            if not n or key in self.staged or self._tier_of(key):
+                # Read meanwhile (its reader shared the flight, or its plan ended).
+                continue
+            self.staged[key] = (data, sig)
+            self.staged_bytes += len(data)
+            if n > 1:
+                self._takes_left[key] = n
+                self._held_since[key] = now
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -350,10 +407,19 @@ class Prefetcher:
             self._drop_unplanned()
 
     def _drop_unplanned(self) -> None:
+        """Unstage what no plan reads any more (one vectorised pass per plan: a plan is
+        replaced, for speculation several times a second, with thousands staged)."""
+        if not self.staged:
+            return
+        keys = np.fromiter(self.staged, dtype=np.uint64, count=len(self.staged))
+        planned = np.zeros(len(keys), dtype=bool)
+        for plan in self.plans.values():
+            planned |= plan.unread(keys)
         held = self._takes_left
-        for key in [k for k in self.staged if k not in held and not self._planned(k)]:
-            self._unstage(key)
-            self.wasted += 1
+        for key in keys[~planned].tolist():
+            if key not in held:
+                self._unstage(key)
+                self.wasted += 1
 
     def describe(self) -> PrefetchStats:
         return PrefetchStats(

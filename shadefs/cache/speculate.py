@@ -154,6 +154,12 @@ class SpecPlan(Plan):
     def next_use(self, key: int) -> float:
         return math.inf if key in self.unseen else super().next_use(key)
 
+    def unread(self, keys: np.ndarray) -> np.ndarray:
+        out = super().unread(keys)
+        if len(self.unseen):
+            out &= ~np.isin(keys, np.asarray(self.unseen, dtype=np.uint64))
+        return out
+
     def observe(self, key: int, now: float) -> bool:
         return False  # `consume` takes the job's reads in batches instead
 

@@ -57,6 +57,8 @@ def attrs_of_row(ino: int, row: tuple[int, ...], timeout: float) -> pyfuse3.Entr
 
 
 def attrs(ino: int, st: Stat | os.stat_result, timeout: float) -> pyfuse3.EntryAttributes:
+    if type(st) is Stat:  # a row's tuple (lookups, getattr): one unpacking
+        return attrs_of_row(ino, st, timeout)
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
     a.generation = generation(st.st_mode, st.st_ctime_ns)

@@ -5,8 +5,9 @@ A million-file tree must not cost a Python object per file (DESIGN.md §6), so:
 - a `Snapshot` is one directory's listing: its names in one bytes buffer with an offset
   array, the lstat fields the mount serves in a numpy structured array (84 B a row), the
   FUSE inode number of every entry, and two per-entry columns for the entries the kernel
-  references (lookup count, time of the last signature check). Lookup by name is a binary
-  search over the sorted names (the source lists them sorted).
+  references (lookup count, time of the last signature check). Lookup by name bisects the
+  names' hashes (two arrays, 16 B a name, built at the first lookup), or for a short
+  listing the sorted names themselves (the source lists them sorted).
 - the `InodeTable` maps a FUSE inode number to (snapshot slot, row) in two flat arrays,
   open addressing with linear probing: 16 B a slot, at most 2/3 full.
 - `Stat` is the small typed record built on demand from a row where a caller needs one
@@ -17,9 +18,11 @@ The inode table never holds an entry without a row: the node *is* the row it poi
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 import os
+import struct
 from array import array
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -107,6 +110,13 @@ def _row(st: os.stat_result) -> tuple[int, ...]:
 
 
 _new_tuple = tuple.__new__
+# Listings longer than this find names by their hashes (Snapshot.find).
+_HASHED_FROM = 16
+# A row's bytes as Stat's tuple: half the cost of rows.item(i) (every open and lookup
+# builds one). STAT_DTYPE is packed, little-endian, in this order.
+_ROW_SIZE = STAT_DTYPE.itemsize
+_unpack_row = struct.Struct("<4I4qQqQI").unpack_from
+assert struct.calcsize("<4I4qQqQI") == _ROW_SIZE
 
 
 class Snapshot:
@@ -137,6 +147,8 @@ class Snapshot:
         "refs",
         "slot",
         "shown",
+        "_hashes",
+        "_hashed_rows",
     )
 
     def __init__(
@@ -152,7 +164,7 @@ class Snapshot:
         self.path = path
         self.names = b"".join(names)
         self.offs = array("Q", itertools.accumulate(map(len, names), initial=0))
-        self.rows = rows
+        self.rows = np.ascontiguousarray(rows, dtype=STAT_DTYPE)  # stat() reads its bytes
         self.ino = ino
         n = len(names)
         self.lookups = np.zeros(n, dtype=np.uint32)
@@ -162,6 +174,8 @@ class Snapshot:
         self.refs = 0
         self.slot = 0
         self.shown = False
+        self._hashes: array[int] | None = None  # find(): the names' hashes, sorted
+        self._hashed_rows: array[int] | None = None  # the row of each
 
     def __len__(self) -> int:
         return len(self.offs) - 1
@@ -181,7 +195,24 @@ class Snapshot:
         return [names[offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
 
     def find(self, name: bytes) -> int:
-        """The row of `name`, or -1 (binary search: the names are sorted)."""
+        """The row of `name`, or -1: a bisection of the names' hashes (in C, from the
+        first lookup on, for every listing of more than a few names), else of the names
+        (sorted), whose each step slices one out."""
+        n = len(self.offs) - 1
+        if n > _HASHED_FROM:
+            if self._hashes is None:
+                self._index_hashes()
+            hashes, at = self._hashes, self._hashed_rows
+            assert hashes is not None and at is not None
+            h = hash(name)
+            i = bisect.bisect_left(hashes, h)
+            names, offs = self.names, self.offs
+            while i < n and hashes[i] == h:
+                row = at[i]
+                if names[offs[row] : offs[row + 1]] == name:
+                    return row
+                i += 1
+            return -1
         names, offs = self.names, self.offs
         lo, hi = 0, len(offs) - 1
         while lo < hi:
@@ -194,9 +225,17 @@ class Snapshot:
             return lo
         return -1
 
+    def _index_hashes(self) -> None:
+        """hash() of every name, sorted, and their rows (16 B a name, built once)."""
+        hashes = np.fromiter(map(hash, self.name_list()), dtype=np.int64, count=len(self))
+        order = np.argsort(hashes, kind="stable")
+        self._hashes = array("q", hashes[order].tobytes())
+        self._hashed_rows = array("q", order.astype(np.int64).tobytes())
+
     def stat(self, i: int) -> Stat:
-        # item() and tuple.__new__: the cheapest way from a row to a record (on every open).
-        return _new_tuple(Stat, self.rows.item(i))
+        # Unpacked from the row's bytes with tuple.__new__: the cheapest way from a row to
+        # a record (on every open).
+        return _new_tuple(Stat, _unpack_row(self.rows, i * _ROW_SIZE))  # type: ignore[arg-type]
 
     def set_stat(self, i: int, st: os.stat_result | Stat) -> None:
         self.rows[i] = _row(st)  # type: ignore[arg-type]

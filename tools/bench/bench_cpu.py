@@ -16,10 +16,13 @@ are shadefs's figures divided by it. The cold figure is also measured with --no-
 and with --no-prefetch.
 
 Requests per sample come from each daemon's own counters (shadefs's stats.json `requests`,
-floorfs's `user.floorfs.requests` xattr). With --profile DIR, py-spy (pip install py-spy;
-root can attach to any process) records each pass into DIR/<config>-<pass>.txt as collapsed
-stacks, and the top entries (own and total time) are printed; sampling disturbs the
-figures, so profile in a separate run.
+floorfs's `user.floorfs.requests` xattr), and for shadefs how the misses were served, per
+open: from the prefetcher's staging, by joining a flight in progress, or fetched by the
+opener itself (stats.json `misses`, `fetches_shared`, `prefetch.served`).
+
+With --profile DIR, py-spy (pip install py-spy; root can attach to any process) records
+each pass into DIR/<config>-<pass>.txt as collapsed stacks, and the top entries (own and
+total time) are printed; sampling disturbs the figures, so profile in a separate run.
 """
 
 from __future__ import annotations
@@ -165,7 +168,19 @@ def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
 
 
 def shadefs_requests(mnt: Path) -> Callable[[], Counter[str]]:
-    return lambda: Counter(stats(mnt).get("requests", {}))
+    """The FUSE requests by type, and (as "@..." keys) how the opens were served."""
+
+    def counts() -> Counter[str]:
+        st = stats(mnt)
+        got = Counter(st.get("requests", {}))
+        got["@misses"] = st["misses"]
+        got["@shared"] = st["fetches_shared"]
+        pf = st.get("prefetch") or {}
+        got["@staged"] = pf.get("served", 0)
+        got["@prefetched"] = pf.get("fetched", 0)
+        return got
+
+    return counts
 
 
 def floor_requests(mnt: Path) -> Callable[[], Counter[str]]:
@@ -222,7 +237,20 @@ def set_queue(mnt: Path, max_background: int) -> None:
 
 
 def per_sample(p: Pass) -> str:
-    return " ".join(f"{k}={v / p.opens:.2f}" for k, v in sorted(p.requests.items()) if v)
+    """Requests per sample; then, per open, the misses and how they were served: from
+    staging, by joining a flight (a reader's or the prefetcher's), or fetched by the opener."""
+    reqs = " ".join(
+        f"{k}={v / p.opens:.2f}" for k, v in sorted(p.requests.items()) if v and k[0] != "@"
+    )
+    r = p.requests
+    if not r["@misses"]:
+        return reqs
+    own = r["@misses"] - r["@staged"] - r["@shared"]
+    return (
+        f"{reqs}; misses={r['@misses'] / p.opens:.2f}: staged={r['@staged'] / p.opens:.2f} "
+        f"joined={r['@shared'] / p.opens:.2f} own={own / p.opens:.2f} "
+        f"(prefetched {r['@prefetched'] / p.opens:.2f})"
+    )
 
 
 def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: int) -> None:
