@@ -356,3 +356,22 @@ def test_no_speculation_for_a_job_that_announces_its_epochs() -> None:
     spec.sync()
     spec.tend(time.monotonic())
     assert not spec.plans
+
+
+def test_listings_join_a_few_at_a_time(monkeypatch) -> None:
+    # A job's first reads touch every directory at once: the listings join over several
+    # settles (each bounded), never all in one stall of the event loop; nothing is lost.
+    from shadefs.readers import tracker as tracker_mod
+
+    monkeypatch.setattr(tracker_mod, "_SETTLE_FILES", 10)
+    dirs = [FakeListing(b"d%d" % d, list(range(d * 100 + 1, d * 100 + 9))) for d in range(6)]
+    t = Tracker(_listings(*dirs))
+    for d in range(6):
+        t.read(d * 100 + 1, 0)
+    sizes = []
+    while t.settle():
+        sizes.append(t.size[0])
+    assert len(sizes) == 3 and sizes == sorted(sizes)  # two 9-row listings per settle
+    assert t.size[0] == 48 and _unread(t) == {k for d in dirs for k in d.ino[:-1].tolist()} - {
+        d * 100 + 1 for d in range(6)
+    }

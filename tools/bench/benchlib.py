@@ -314,11 +314,12 @@ def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def drop_caches() -> None:
-    """Write back dirty pages, then drop the page cache, dentries and inodes (needs root)."""
+def drop_caches(pages_only: bool = False) -> None:
+    """Write back dirty pages, then drop the page cache, and unless `pages_only` also the
+    dentries and inodes (needs root)."""
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+        f.write("1\n" if pages_only else "3\n")
 
 
 def drop_page_cache(root: Path, pattern: str = "*") -> None:
