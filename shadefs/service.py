@@ -29,8 +29,6 @@ import trio
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.policies import POLICIES, Owned
-from shadefs.cache.prefetch import Plan, Prefetcher, PrefetchSettings
-from shadefs.cache.speculate import Speculator
 from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.cache.ssd_tier import SsdTier
@@ -41,6 +39,8 @@ from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
+from shadefs.prefetch.prefetcher import Plan, Prefetcher, PrefetchSettings
+from shadefs.prefetch.speculate import Speculator
 from shadefs.readers.jobs import JobTable
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import Listing

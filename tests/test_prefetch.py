@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from shadefs.cache.policies import BeladyPolicy
-from shadefs.cache.prefetch import Plan, Prefetcher
+from shadefs.prefetch.prefetcher import Plan, Prefetcher
 from tests.conftest import require_fuse, shadefs_cmd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -374,7 +374,7 @@ class _CountingSource:
 
 def _cache(source: _CountingSource, window: int = 10_000):
     from shadefs.cache.coordinator import Cache
-    from shadefs.cache.prefetch import PrefetchSettings
+    from shadefs.prefetch.prefetcher import PrefetchSettings
     from shadefs.stats import Metrics
 
     # Room for 8 files (one file may take an eighth of the budget); tests `drop()` them to

@@ -10,8 +10,8 @@ import numpy as np
 import trio
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.prefetch import Plan, PrefetchSettings
-from shadefs.cache.speculate import Speculator
+from shadefs.prefetch.prefetcher import Plan, PrefetchSettings
+from shadefs.prefetch.speculate import Speculator
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import ListingOf, Tracker
 from shadefs.stats import Metrics
@@ -245,7 +245,7 @@ def test_reads_from_a_directory_listed_later_count_as_read() -> None:
 
 
 def test_a_plans_paths_survive_a_refreshed_listing() -> None:
-    from shadefs.cache.speculate import SpecPlan
+    from shadefs.prefetch.speculate import SpecPlan
 
     a, b = FakeListing(b"a", [5, 6, 7]), FakeListing(b"b", [1, 2])
     by_key = {5: a, 6: a, 7: a, 1: b, 2: b}

@@ -12,8 +12,8 @@ import pytest
 import trio
 import trio.testing
 
-from shadefs.cache import speculate
-from shadefs.cache.speculate import PERIOD, SpecPlan, Speculator
+from shadefs.prefetch import speculate
+from shadefs.prefetch.speculate import PERIOD, SpecPlan, Speculator
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings, _read
 

@@ -158,6 +158,18 @@ _UP = ("shadefs.service", "shadefs.daemon")  # the owner of the parts, and its p
 FORBIDDEN = {
     "shadefs.source": ("shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
     "shadefs.cache": ("shadefs.fs", "shadefs.control", *_UP),
+    # Planning over the readers' state; told what to fetch, never serving or evicting.
+    "shadefs.prefetch": ("shadefs.fs", "shadefs.control", "shadefs.cache.coordinator", *_UP),
+    # Who reads what: below the cache and beside sampling, above nothing but stats.
+    "shadefs.readers": (
+        "shadefs.fs",
+        "shadefs.cache",
+        "shadefs.prefetch",
+        "shadefs.sampling",
+        "shadefs.control",
+        "shadefs.source",
+        *_UP,
+    ),  # fmt: skip
     "shadefs.sampling": ("shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
     "shadefs.fs": _UP,
     "shadefs.control": ("shadefs.fs", "shadefs.cache", *_UP),
@@ -186,7 +198,11 @@ def test_parts_import_only_downstream() -> None:
 # The prefetch part (a known order's plans, the prefetcher, speculation) is told what to fetch
 # and asks the cache through the callables and Protocols it is handed: it never imports the
 # coordinator, which owns it.
-PREFETCH_PART = ("shadefs.cache.plans", "shadefs.cache.prefetch", "shadefs.cache.speculate")
+PREFETCH_PART = (
+    "shadefs.prefetch.plans",
+    "shadefs.prefetch.prefetcher",
+    "shadefs.prefetch.speculate",
+)
 
 
 def _reach(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:

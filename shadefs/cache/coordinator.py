@@ -8,7 +8,7 @@ victims itself. Files above `max_entry` are `cache/blocks.py`'s: block entries i
 same tiers (`admit`, `remove`; negative keys), or read through on a source descriptor.
 
 The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
-two callables it needs (`fetch_ahead`, `tier_of`), so prefetch.py does not import this
+two callables it needs (`fetch_ahead`, `tier_of`), so the prefetch part does not import this
 module. It builds both tiers' policies by name (`belady` reads the prefetcher's plans).
 `start(nursery)` starts the tiers' and the prefetcher's tasks. Who reads what (jobs,
 epochs, demand, pending reads) is the readers part's (readers/part.py): every open tells
@@ -35,10 +35,10 @@ from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Policy, make_policy
-from shadefs.cache.prefetch import Prefetcher, PrefetchSettings
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
+from shadefs.prefetch.prefetcher import Prefetcher, PrefetchSettings
 from shadefs.readers.jobs import Job
 from shadefs.readers.part import Readers
 from shadefs.source import Source

@@ -15,7 +15,7 @@ daemon. The daemon cannot see those pages. What it knows:
   with one larger than the machine's memory the kernel has reclaimed most pages of files
   opened an epoch ago, and it falls towards 0.
 
-Speculation (cache/speculate.py) reads both: while `trusted` (most deferred opens were the
+Speculation (prefetch/speculate.py) reads both: while `trusted` (most deferred opens were the
 kernel's), it does not stage files the kernel may hold; otherwise it stages them as any
 other, since the kernel's pages of files opened earlier are mostly gone. Everything here
 runs in the trio thread.

@@ -55,7 +55,7 @@ class Job:
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
     # The keys it opened since the speculator last took them (its plans' entries are
-    # consumed in batches, cache/speculate.py): the hit path appends one machine word.
+    # consumed in batches, prefetch/speculate.py): the hit path appends one machine word.
     reads: array[int] = field(default_factory=lambda: array("Q"))
 
 

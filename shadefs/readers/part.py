@@ -72,7 +72,7 @@ class Readers:
         if pending.epoch >= 0:  # some known order counts reads: take this one off
             pending.read(key, job.row)
         self.tracker.read(key, job.row)
-        job.reads.append(key)  # the speculator's plans take them in (cache/speculate.py)
+        job.reads.append(key)  # the speculator's plans take them in (prefetch/speculate.py)
         return job
 
     def read_block(self, key: int) -> None:

@@ -9,7 +9,7 @@ loop timer running. Then, phase by phase, the worst delay of the timer:
 
 - order build: both jobs ask for their epoch 0 order (each its own seed) at once;
 - epoch change: the first job announces epoch 1 and asks for its order;
-- replan: the speculator (cache/speculate.py) plans an unchanged job (a plain shuffled
+- replan: the speculator (prefetch/speculate.py) plans an unchanged job (a plain shuffled
   DataLoader: no announced order) over a universe of every registered file, in `dirs`
   directories, then replans it twice as the universe grows (a directory joins), each
   waited for; the job's first reads of each directory (the universe's growth, the
@@ -36,10 +36,10 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
-from shadefs.cache import speculate
 from shadefs.cache.ssd_format import Signature
 from shadefs.fs.snapshots import STAT_DTYPE
 from shadefs.options import MountOptions
+from shadefs.prefetch import speculate
 from shadefs.sampling import wire
 from shadefs.service import Service
 

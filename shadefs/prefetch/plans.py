@@ -2,10 +2,10 @@
 
 A plan is a sequence of cache keys with the paths to fetch them from and their sizes: the
 share of an epoch's PADS order that a rank read back, a list of paths a job wrote to
-`.shadefs/plan`, or a speculative guess (cache/speculate.py). The reader's position (its
+`.shadefs/plan`, or a speculative guess (prefetch/speculate.py). The reader's position (its
 cursor) is inferred by matching every open against the plan (`observe`), so no cooperation
 from the reading processes is needed, and DataLoader workers that read out of order are
-tolerated. The prefetcher (cache/prefetch.py) fetches ahead of the cursor; the policies ask
+tolerated. The prefetcher (prefetch/prefetcher.py) fetches ahead of the cursor; the policies ask
 `next_use`.
 """
 

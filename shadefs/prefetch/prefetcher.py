@@ -41,7 +41,7 @@ Every byte fetched once: an entry its reader already opened (workers read ahead 
 cursor) is never fetched, a reader that opens a file being prefetched joins that flight,
 and a file a known order replays stays staged for its next read (within the window's reach
 of the plan, or anywhere while such replays hold at most a quarter of the window), rather
-than be fetched again. A speculative plan (cache/speculate.py) is staged like any other,
+than be fetched again. A speculative plan (prefetch/speculate.py) is staged like any other,
 but the policies' `planned` and `next_use` ignore it: it is a guess.
 
 A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
@@ -66,8 +66,8 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.plans import Plan
 from shadefs.cache.ssd_format import Signature
+from shadefs.prefetch.plans import Plan
 from shadefs.stats import PrefetchStats
 
 __all__ = ["FetchAhead", "Plan", "PrefetchSettings", "Prefetcher"]

@@ -5,7 +5,7 @@ file not yet read will be read exactly once (the readers' tracker, readers/track
 knows per job its universe, its epoch and what it read of it). So
 the unread, uncached files of a job's epoch are a prefetch target that the epoch never
 wastes. The speculator turns them into a *speculative plan* for the prefetcher
-(cache/prefetch.py): the unread files in a random order. The prefetcher stages them in its
+(prefetch/prefetcher.py): the unread files in a random order. The prefetcher stages them in its
 staging buffer, within its window and at its adaptive concurrency, exactly as for a known
 order; a reader that opens a staged file takes it from there, and one that opens a file
 being fetched joins the flight.
@@ -60,8 +60,8 @@ import trio
 
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.kernel_pages import KernelPages
-from shadefs.cache.plans import Plan
-from shadefs.cache.prefetch import Prefetcher
+from shadefs.prefetch.plans import Plan
+from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import Listing, Tracker
 from shadefs.sampling.builds import resident_among
