@@ -52,6 +52,7 @@ import trio
 
 from shadefs.source_calls import Calls, TimedOut
 from shadefs.source_paths import Resolver
+from shadefs.source_reads import pread_spread, readahead_bytes
 from shadefs.stats import SourceStats
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,8 @@ class Source:
         self._outage_since = 0.0
         budget = FdBudget.of_process(max_threads) if fd_budget is None else fd_budget
         self.fds = FdBudget(budget, os.getuid())
+        # A random reader's large reads go in pieces of this size at once (source_reads.py).
+        self.piece = readahead_bytes(self._root_id[0])
 
     def root_stat(self) -> os.stat_result:
         """The root's stat, from its held descriptor (no worker thread: used at start)."""
@@ -353,8 +356,10 @@ class Source:
         self.fds.opened(fd, uid)
         return fd, st
 
-    async def pread(self, fd: int, size: int, off: int) -> bytes:
-        data = await self.run(os.pread, fd, size, off)
+    async def pread(self, fd: int, size: int, off: int, random: bool = False) -> bytes:
+        """`random`: the descriptor is read at random (fadvised so); a large read then goes
+        in pieces that travel together (source_reads.py)."""
+        data = await self.run(pread_spread, fd, size, off, self.piece if random else 0)
         self.bytes_read += len(data)
         return data
 

@@ -368,7 +368,8 @@ class Blocks:
                     raise pyfuse3.FUSEError(errno.EBADF)
         h.users += 1
         try:
-            data, st = await self.source.run(pread_stat, h.fd, n, off, signed)
+            piece = self.source.piece if h.random else 0
+            data, st = await self.source.run(pread_stat, h.fd, n, off, signed, piece)
         finally:
             h.users -= 1
             if h.closed and h.users == 0 and h.fd >= 0:

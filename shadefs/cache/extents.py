@@ -50,6 +50,7 @@ from typing import Generic, Protocol, TypeVar
 
 from shadefs.cache.block_keys import block_key
 from shadefs.cache.ssd_format import Signature
+from shadefs.source_reads import pread_spread
 
 __all__ = [
     "EXTENT",
@@ -231,10 +232,13 @@ def advise(fd: int, random: bool) -> None:
         pass
 
 
-def pread_stat(fd: int, n: int, off: int, signed: bool) -> tuple[bytes, os.stat_result | None]:
+def pread_stat(
+    fd: int, n: int, off: int, signed: bool, piece: int = 0
+) -> tuple[bytes, os.stat_result | None]:
     """One worker-thread call (blocks and extents): read, then, if `signed`, fstat the same
-    descriptor to sign the bytes."""
-    data = os.pread(fd, n, off)
+    descriptor to sign the bytes. `piece`: a random reader's descriptor, whose large reads
+    go in pieces of that size at once (source_reads.py)."""
+    data = pread_spread(fd, n, off, piece)
     while 0 < len(data) < n:  # short reads of NFS are legal
         more = os.pread(fd, n - len(data), off + len(data))
         if not more:

@@ -112,6 +112,8 @@ class SlowOperations(pyfuse3.Operations):
         self.stats: dict[str, int] = dict.fromkeys(
             ("opens", "reads", "bytes", "lookups", "getattrs", "readdirs", "open_files"), 0
         )
+        self.stats["reads_in_flight_max"] = 0
+        self._reading = 0  # reads waiting for their latency and the link now
         self._started = self._last_read = (time.monotonic(), _cpu_seconds())
 
     # -- helpers ---------------------------------------------------------------------
@@ -286,9 +288,17 @@ class SlowOperations(pyfuse3.Operations):
             data = os.pread(fh, size, off)
         except OSError as exc:
             raise _fuse_error(exc) from None
-        # One sleep for the read's latency and its transfer (each sleep costs the loop
-        # CPU): the reply is ready after the latency, then queues for the link.
-        await self.wire.transfer(len(data), trio.current_time() + self._scaled(self.read_latency))
+        # How many reads wait at once: whether a client keeps several requests in flight
+        # or sends them one after the other (tests/test_source_reads.py).
+        self._reading += 1
+        self.stats["reads_in_flight_max"] = max(self.stats["reads_in_flight_max"], self._reading)
+        try:
+            # One sleep for the read's latency and its transfer (each sleep costs the loop
+            # CPU): the reply is ready after the latency, then queues for the link.
+            now = trio.current_time()
+            await self.wire.transfer(len(data), now + self._scaled(self.read_latency))
+        finally:
+            self._reading -= 1
         self.stats["bytes"] += len(data)
         return data
 

@@ -334,7 +334,7 @@ class Operations(ReadOnly):
                 self._random.add(fh)  # a random reader: no source read-ahead under ours
                 advise(fd, True)
             self._next[fh] = off + size
-            chunk = await self.source.pread(fd, size, off)
+            chunk = await self.source.pread(fd, size, off, fh in self._random)
         elif fh in self._blk:
             assert self.blocks is not None
             chunk = await self.blocks.read(self._blk[fh], off, size)
