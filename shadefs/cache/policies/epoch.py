@@ -49,7 +49,13 @@ class EpochPolicy(Policy):
         super().__init__()
         self.tracker = tracker if tracker is not None else Tracker()
         self.pending = pending
-        self._rank: dict[int, int] = {}  # resident id -> the rank of its bucket
+        # Resident ids in the order they became resident (oldest first within a rank),
+        # and per id the rank of its bucket (-1: not resident here), read through a
+        # memoryview (Python ints, as fast as a dict on the hit path; a re-rank writes the
+        # numpy column in one go instead of building a dict of every entry).
+        self._order: dict[int, None] = {}
+        self._rankv = np.full(64, -1, dtype=np.int64)
+        self._rank = self._rankv.data
         self._buckets: dict[int, dict[int, None]] = {}  # rank -> resident ids, oldest first
         self._generation = self.tracker.generation
 
@@ -66,13 +72,23 @@ class EpochPolicy(Policy):
 
     # --- buckets -------------------------------------------------------------------------
 
+    def _rank_of(self, i: int) -> int:
+        """The rank of resident id `i`'s bucket, -1 if it is not resident here."""
+        return self._rank[i] if i < len(self._rankv) else -1
+
     def _place(self, i: int, r: int) -> None:
         """Put resident id `i` in the bucket of rank `r`."""
-        old = self._rank.get(i)
+        if i >= len(self._rankv):
+            grown = np.full(max(len(self.tracker.keys), i + 1), -1, dtype=np.int64)
+            grown[: len(self._rankv)] = self._rankv
+            self._rankv, self._rank = grown, grown.data
+        old = self._rank[i]
         if old == r:
             return
-        if old is not None:
+        if old >= 0:
             self._unbucket(i, old)
+        else:
+            self._order[i] = None
         bucket = self._buckets.get(r)
         if bucket is None:
             bucket = self._buckets[r] = {}
@@ -84,7 +100,7 @@ class EpochPolicy(Policy):
         del bucket[i]
         if not bucket:
             del self._buckets[rank]
-        del self._rank[i]
+        self._rank[i] = -1
 
     def _fresh(self) -> None:
         """Re-rank every resident entry if the tracker recounted since the last look."""
@@ -92,9 +108,9 @@ class EpochPolicy(Policy):
         if self._generation == t.generation:
             return
         self._generation = t.generation
-        live = np.fromiter(self._rank, dtype=np.int64, count=len(self._rank))
+        live = np.fromiter(self._order, dtype=np.int64, count=len(self._order))
         rank = t.rank_ids(live)
-        self._rank = dict(zip(live.tolist(), rank.tolist(), strict=True))
+        self._rankv[live] = rank
         # One dict per distinct rank (a handful), filled at C speed.
         ranks = np.unique(rank).tolist()
         self._buckets = {r: dict.fromkeys(live[rank == r].tolist()) for r in ranks}
@@ -115,8 +131,9 @@ class EpochPolicy(Policy):
     def removed(self, key: int) -> None:
         super().removed(key)
         i = self.tracker.id_of.get(key)
-        if i is not None and i in self._rank:
+        if i is not None and self._rank_of(i) >= 0:
             self._unbucket(i, self._rank[i])
+            del self._order[i]
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         # The tracker has taken the read in (the cache told it first): move the entry to
@@ -126,12 +143,12 @@ class EpochPolicy(Policy):
             self._fresh()
         if key == t.read_key:
             i, r = t.read_id, t.read_rank
-            old = self._rank.get(i)
-            if old is None or old == r:
+            old = self._rank_of(i)
+            if old < 0 or old == r:
                 return  # not resident here, or its rank did not move (a replay)
         else:
             j = t.id_of.get(key)
-            if j is None or j not in self._rank:
+            if j is None or self._rank_of(j) < 0:
                 return
             i, r = j, t.rank(j)
         self._place(i, r)
