@@ -6,12 +6,17 @@ Each epoch reads every file once in a fresh random order (what RandomSampler and
 DistributedSampler do). The RAM budget is `fraction` of the dataset's bytes. Hit ratios
 come from the mount's stats.json (opens of regular files), over epochs 2..N. Theory
 (reference/peers.md §7): no demand cache beats f; LRU gets f + (1 - f) ln(1 - f).
+
+Each read first drops the kernel's pages of its file (POSIX_FADV_DONTNEED), as with a
+dataset larger than the page cache: otherwise the kernel serves a miss that shadefs answers
+before its fetch (fs/deferred.py), and the daemon never fetches nor admits it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -28,6 +33,7 @@ def run_epochs(mnt: Path, rels: list[str], epochs: int, seed: int) -> list[float
         rng.shuffle(order)
         for rel in order:
             with open(mnt / rel, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # see the docstring
                 f.read()
         after = stats(mnt)
         opens = after["hits"] + after["misses"] - before["hits"] - before["misses"]

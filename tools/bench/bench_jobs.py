@@ -22,6 +22,10 @@ the last must fit), or the members refetch what the others read: stats.json `gro
 how far apart they are.
 
 Part `e2e` is in bench_jobs_e2e.py.
+
+Each read first drops the kernel's pages of its file (POSIX_FADV_DONTNEED), as with a
+dataset larger than the page cache: otherwise the kernel serves a miss that shadefs answers
+before its fetch (fs/deferred.py), and the daemon never fetches nor admits it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def reader(mnt: Path, listing: Path, seed: int, epochs: int, out: Path) -> None:
         rng.shuffle(order)
         for rel in order:
             with open(mnt / rel, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # see the docstring
                 f.read()
         marks.append(_job_counters(mnt, me))
     out.write_text(json.dumps({"job": me, "marks": marks}))
@@ -129,6 +134,7 @@ def sampler_job(
 
         def __getitem__(self, i: int) -> int:
             with open(self.samples[i][0], "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # see the docstring
                 return len(f.read())
 
     rels = sorted(str(p) for p in mnt.rglob("*.bin"))
