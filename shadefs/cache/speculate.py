@@ -2,13 +2,13 @@
 
 A plain shuffled DataLoader tells the daemon nothing of its order, but within an epoch each
 file not yet read will be read exactly once (the readers' tracker, readers/tracker.py,
-knows per job its universe, its epoch and what it read of it). So
-the unread, uncached files of a job's epoch are a prefetch target that the epoch never
-wastes. The speculator turns them into a *speculative plan* for the prefetcher
-(cache/prefetch.py): the unread files in a random order. The prefetcher stages them in its
-staging buffer, within its window and at its adaptive concurrency, exactly as for a known
-order; a reader that opens a staged file takes it from there, and one that opens a file
-being fetched joins the flight.
+knows per job its universe, its epoch and what it read of it). So the unread, uncached
+files of a job's epoch are a prefetch target that the epoch never wastes. The speculator
+turns them into a *speculative plan* for the prefetcher (cache/prefetch.py): the unread
+files in a random order. The prefetcher stages them in its staging buffer, within its
+window and at its adaptive concurrency, exactly as for a known order; a reader that opens
+a staged file takes it from there, and one that opens a file being fetched joins the
+flight.
 
 With cache fraction f and window w (both shares of the data), the share of misses served
 from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
@@ -22,9 +22,8 @@ Rules that keep it from ever slowing a job down:
 - the plan is dropped when the job's reads stop (`idle` seconds without one), while the
   tracker finds its epoch pattern broken (a file read twice before the epoch was
   complete), when the job announces its epochs (a sampler: its orders are known), when
-  the job ends,
-  and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
-  that announces its order gets the clairvoyant prefetcher alone;
+  the job ends, and while any known order (a sampler's or a `.shadefs/plan`) is being
+  prefetched: a job that announces its order gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
   reader reads it in blocks or through, or whole from the SSD tier, not from staging.
