@@ -18,6 +18,7 @@ import numpy as np
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from shadefs.cache.policies import BeladyPolicy
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
@@ -564,7 +565,7 @@ def test_a_reader_that_joined_a_failed_prefetch_batch_fetches_its_file_alone() -
         assert data == bytes(1000) and source.fetches == [b"p2"]  # then fetched alone
         assert pf.errors == 2
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take() -> None:
