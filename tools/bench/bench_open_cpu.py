@@ -39,7 +39,8 @@ def run(src: Path, tmp: Path, rels: list[str], jobs: int, args: argparse.Namespa
     listing.write_text("\n".join(rels))
     ram = str(int(total * args.fraction))
     bench_jobs = Path(__file__).with_name("bench_jobs.py")
-    with mounted(src, tmp / f"mnt-{len(rels)}-{jobs}", "--ram", ram, "--policy", args.policy) as m:
+    opts = ["--ram", ram, "--policy", args.policy, *args.shadefs_args]
+    with mounted(src, tmp / f"mnt-{len(rels)}-{jobs}", *opts) as m:
         s0 = stats(m)
         pid = int(s0["pid"])
         opens0 = s0["hits"] + s0["misses"]
@@ -73,6 +74,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--policy", default="epoch")
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument(
+        "--shadefs-args",
+        nargs="+",
+        default=[],
+        metavar="ARG",
+        help="more mount options, e.g. --shadefs-args=--no-speculate (the bookkeeping alone)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp_name:
         tmp = Path(tmp_name)
