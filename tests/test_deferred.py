@@ -185,3 +185,19 @@ async def test_an_empty_file_is_fetched_at_open_since_no_read_comes(tmp_path: Pa
     fi = await ops.open(ino, os.O_RDONLY, CTX)
     await ops.release(fi.fh)
     assert svc.cache.tier_of(ino) == 1 and svc.cache.describe().handles.deferred == 0
+
+
+def test_opens_are_deferred_rarely_while_the_kernel_keeps_no_pages() -> None:
+    # A deferred open costs a version check before the fetch its read needs anyway: while
+    # most deferred opens were read (the kernel's pages gone), only a probe is deferred.
+    from shadefs.cache.kernel_pages import _PROBE, KernelPages
+
+    kernel = KernelPages()
+    assert all(kernel.worth_deferring() for _ in range(100))  # trusted: every one
+    for _ in range(40):
+        kernel.served(False)
+    asked = [kernel.worth_deferring() for _ in range(4 * _PROBE)]
+    assert sum(asked) == 4  # one in _PROBE, so that `held` stays measured
+    for _ in range(40):
+        kernel.served(True)  # the probes found the kernel's pages again
+    assert kernel.worth_deferring() and kernel.trusted

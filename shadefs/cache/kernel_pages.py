@@ -17,8 +17,11 @@ daemon. The daemon cannot see those pages. What it knows:
 
 Speculation (prefetch/speculate.py) reads both: while `trusted` (most deferred opens were the
 kernel's), it does not stage files the kernel may hold; otherwise it stages them as any
-other, since the kernel's pages of files opened earlier are mostly gone. Everything here
-runs in the trio thread.
+other, since the kernel's pages of files opened earlier are mostly gone. The opens read it
+too (`worth_deferring`): a deferred open costs a version check at the source (one lstat in
+a worker thread) before the fetch that its read then needs anyway, so while the kernel's
+pages are mostly gone only one open in `_PROBE` is deferred, which keeps `held` measured.
+Everything here runs in the trio thread.
 """
 
 from __future__ import annotations
@@ -32,17 +35,19 @@ __all__ = ["KernelPages"]
 _SLOTS = 1 << 22
 _MASK = _SLOTS - 1
 _WEIGHT = 1 / 32  # of the newest deferred open in `held`
+_PROBE = 16  # while not trusted, one open in this many is still deferred
 
 
 class KernelPages:
     """:held: the recent share of deferred opens that the kernel served without a read"""
 
-    __slots__ = ("_opened", "_view", "held")
+    __slots__ = ("_opened", "_view", "held", "_untrusted")
 
     def __init__(self) -> None:
         self._opened = bytearray(_SLOTS)
         self._view = np.frombuffer(self._opened, dtype=np.uint8)  # the same bytes
         self.held = 1.0  # until told otherwise: a reopen is the kernel's
+        self._untrusted = 0  # opens asked about while not trusted
 
     def opened(self, ino: int) -> bool:
         """An open of `ino`: whether one came before it since the kernel last forgot it."""
@@ -64,6 +69,14 @@ class KernelPages:
     def served(self, unread: bool) -> None:
         """A deferred open ended: released unread (the kernel's pages) or read."""
         self.held += ((1.0 if unread else 0.0) - self.held) * _WEIGHT
+
+    def worth_deferring(self) -> bool:
+        """Whether an open of a file the kernel may hold should be answered before its
+        fetch: while trusted, yes; otherwise one in `_PROBE`, to notice when it is again."""
+        if self.held >= 0.5:
+            return True
+        self._untrusted += 1
+        return self._untrusted % _PROBE == 0
 
     @property
     def trusted(self) -> bool:
