@@ -73,7 +73,7 @@ class KernelPages:
     def worth_deferring(self) -> bool:
         """Whether an open of a file the kernel may hold should be answered before its
         fetch: while trusted, yes; otherwise one in `_PROBE`, to notice when it is again."""
-        if self.held >= 0.5:
+        if self.trusted:
             return True
         self._untrusted += 1
         return self._untrusted % _PROBE == 0

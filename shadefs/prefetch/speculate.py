@@ -63,7 +63,7 @@ from shadefs.cache.kernel_pages import KernelPages
 from shadefs.prefetch.plans import Plan
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.part import Readers
-from shadefs.readers.tracker import Listing, Tracker
+from shadefs.readers.tracker import Listing, Tracker, path_at
 from shadefs.sampling.builds import resident_among
 
 
@@ -115,8 +115,7 @@ class _Paths(Sequence[bytes]):
     def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
         if isinstance(i, slice):
             return _Paths(self._listings, self._where[i])
-        w = int(self._where[i])
-        return self._listings[w >> 32].child_path(w & 0xFFFFFFFF)
+        return path_at(self._listings, int(self._where[i]))
 
     def __iter__(self) -> Iterator[bytes]:
         return (self[i] for i in range(len(self)))

@@ -73,6 +73,11 @@ class Listing(Protocol):
 ListingOf = Callable[[int], Listing | None]
 
 
+def path_at(listings: list[Listing], where: int) -> bytes:
+    """The path a `where` value names: listing index << 32 | row in that listing."""
+    return listings[where >> 32].child_path(where & 0xFFFFFFFF)
+
+
 def _no_listings(key: int) -> Listing | None:
     return None
 
@@ -352,8 +357,7 @@ class Tracker:
         return bool(self._last[row][i] >= self.epoch[row])
 
     def path(self, i: int) -> bytes:
-        w = int(self.where[i])
-        return self.listings[w >> 32].child_path(w & 0xFFFFFFFF)
+        return path_at(self.listings, int(self.where[i]))
 
     # --- universes ------------------------------------------------------------------------
 
