@@ -511,9 +511,13 @@ def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
 
 def test_the_fetch_log_counts_a_refetch_of_each_file_fetched_before_in_its_epoch() -> None:
     from shadefs.cache.fetchlog import FetchLog
+    from shadefs.readers.tracker import Tracker
 
     rng = np.random.default_rng(1)
-    log, seen, refetches = FetchLog(), set(), 0  # the log against a plain set per epoch
+    tracker = Tracker()
+    for key in range(0, 3000, 2):
+        tracker.id(key)  # opened files have ids (the column); the others the sorted keys
+    log, seen, refetches = FetchLog(tracker), set(), 0  # the log against a set per epoch
     for _ in range(300):
         keys = rng.choice(3000, size=int(rng.integers(1, 40)), replace=False).tolist()
         refetches += len(seen.intersection(keys))
@@ -526,6 +530,7 @@ def test_the_fetch_log_counts_a_refetch_of_each_file_fetched_before_in_its_epoch
         if rng.random() < 0.02:
             log.new_epoch()
             seen.clear()
+        assert all(k in log for k in seen) and not any(k in log for k in range(3000, 3010))
     stats = log.describe()
     assert (stats.refetches, stats.refetch_bytes) == (refetches, 10 * refetches)
     assert refetches > 100

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import threading
-from array import array
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import trio.testing
 
 from shadefs.prefetch import speculate
 from shadefs.prefetch.speculate import PERIOD, SpecPlan, Speculator
+from shadefs.readers.tracker import Tracker
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings, _read
 
@@ -116,10 +116,18 @@ def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
 
 
 def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
-    log: array[int] = array("Q")
+    t = Tracker()
+    for key in (1, 2, 3):
+        t.id(key)
+    t.join(0)
+    t.join(1)
     keys = np.array([1, 2, 3], dtype=np.uint64)
-    plan = SpecPlan("s", keys, [b"p1", b"p2", b"p3"], np.full(3, SIZE), log)
+    plan = SpecPlan.over("s", t, np.array([0, 1, 2]), row=0)
+    assert plan.unread(keys).all()
     assert not plan.consumed(1) and plan.next_use(2) == 1.0
-    log.append(2)  # the job opened 2; the speculator has not synced yet
+    t.read(2, 1)  # another job's open of 2 consumes nothing of job 0's plan
+    assert not plan.consumed(1) and plan.unread(keys).all()
+    t.read(2, 0)  # job 0 opened 2; the speculator has not synced yet
     assert plan.consumed(1) and plan.next_use(2) == math.inf
+    assert plan.unread(keys).tolist() == [True, False, True]
     assert not plan.consumed(0) and plan.next_use(1) == 0.0

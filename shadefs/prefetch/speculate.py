@@ -16,11 +16,12 @@ from staging is (w + w ln((1 - f) / w)) / (1 - f): 0.60 at f = w = 0.2.
 Rules that keep it from ever slowing a job down:
 
 - a file the job read this epoch is never staged: a plan is made of the tracker's unread
-  files, its entries are marked consumed as the job's logged opens are taken in (`sync`),
-  the plan also counts the opens its job logged since (it holds the job's read log:
-  `consumed`, `next_use`), and the prefetcher skips consumed entries and stages only what
-  some plan still reads. So the prefetcher never calls the speculator, and a finished
-  fetch never re-enters a planner;
+  files, and an entry counts as consumed as soon as the tracker has its job's open (the
+  plan holds its tracker ids and asks the job's `last` column: `consumed`, `unread`), so
+  the prefetcher skips consumed entries and stages only what some plan still reads. The
+  job's logged opens, taken in every PERIOD (`sync`), move the plan's cursor and rate.
+  So the prefetcher never calls the speculator, and a finished fetch never re-enters a
+  planner;
 - the plan is dropped when the job's reads stop (`idle` seconds without one), while the
   tracker finds its epoch pattern broken (a file read twice before the epoch was
   complete), when the job announces its epochs (a sampler: its orders are known), when
@@ -121,6 +122,15 @@ class _Paths(Sequence[bytes]):
         return (self[i] for i in range(len(self)))
 
 
+class JobEpoch(NamedTuple):
+    """Whose reads consume a speculative plan: job `row` of `tracker`, from its epoch
+    `epoch` on (the epoch the plan was made in)."""
+
+    tracker: Tracker
+    row: int
+    epoch: int
+
+
 class SpecPlan(Plan):
     """A speculative plan: its entries are consumed by the job's reads, in any order."""
 
@@ -132,31 +142,45 @@ class SpecPlan(Plan):
         keys: np.ndarray,
         paths: Sequence[bytes],
         sizes: np.ndarray,
-        unseen: Sequence[int] = (),
+        ids: np.ndarray | None = None,
+        job: JobEpoch | None = None,
     ) -> None:
-        """`unseen`: the job's log of reads not taken in yet (readers/jobs.py's Job.reads,
-        which `Speculator.sync` empties): they count as read before `consume` sees them."""
+        """`ids`: the entries' tracker ids, whose reads by `job` count as consumed the
+        moment the tracker has them (at the open), before `consume` takes them in."""
         super().__init__(name, keys, paths, sizes)
-        self.unseen = unseen
+        self.ids = ids if ids is not None else np.zeros(len(keys), dtype=np.int64)
+        self._idv = np.ascontiguousarray(self.ids, dtype=np.int64).data
+        self.job = job
 
     @classmethod
-    def over(cls, name: str, tracker: Tracker, index: np.ndarray) -> SpecPlan:
-        """The plan of the files of tracker ids `index`, in that order."""
+    def over(cls, name: str, tracker: Tracker, index: np.ndarray, row: int = 0) -> SpecPlan:
+        """The plan of job `row` over the files of tracker ids `index`, in that order."""
         paths = _Paths(tracker.listings, tracker.where[index])
         keys = tracker.keys[index].astype(np.uint64)
-        return cls(name, keys, paths, tracker.sizes[index])
+        job = JobEpoch(tracker, row, tracker.epoch[row])
+        return cls(name, keys, paths, tracker.sizes[index], index, job)
+
+    def _read(self, pos: int) -> bool:
+        job = self.job
+        return job is not None and job.tracker.read_one_since(job.row, job.epoch, self._idv[pos])
 
     def consumed(self, pos: int) -> bool:
-        # A scan of the reads logged since the last sync: at most PERIOD's worth.
-        return bool(self._consumed[pos]) or int(self.keys[pos]) in self.unseen
+        return bool(self._consumed[pos]) or self._read(pos)
 
     def next_use(self, key: int) -> float:
-        return math.inf if key in self.unseen else super().next_use(key)
+        occ = self._occurrences(key)
+        if len(occ) and self._read(int(occ[0])):
+            return math.inf
+        return super().next_use(key)
 
     def unread(self, keys: np.ndarray) -> np.ndarray:
         out = super().unread(keys)
-        if len(self.unseen):
-            out &= ~np.isin(keys, np.asarray(self.unseen, dtype=np.uint64))
+        job = self.job
+        if job is not None and out.any():
+            # An entry occurs once (a plan of distinct ids): its key's sorted position.
+            at = np.flatnonzero(out)
+            pos = self._positions[np.searchsorted(self._sorted, keys[at])]
+            out[at] = ~job.tracker.read_since(job.row, job.epoch, self.ids[pos])
         return out
 
     def observe(self, key: int, now: float) -> bool:
@@ -202,7 +226,7 @@ class _Snapshot(NamedTuple):
     limit: int  # the largest file worth staging
     cached: list[int]  # every cached key (blocks' negative ones too)
     seed: int
-    unseen: Sequence[int]  # the job's read log (SpecPlan's)
+    job: JobEpoch  # whose reads consume the plan (SpecPlan's)
     # Files the kernel may hold pages of are left out (a wrong guess read from the loop's
     # live map only stages a file more or less, never serves anything).
     kernel: KernelPages | None
@@ -226,7 +250,7 @@ def _build_plan(snap: _Snapshot) -> SpecPlan | None:
     order = np.random.default_rng(snap.seed).permutation(len(index))
     index, ukeys = index[order], ukeys[order]
     paths = _Paths(snap.listings, where[index])
-    return SpecPlan(snap.name, ukeys, paths, sizes[index], snap.unseen)
+    return SpecPlan(snap.name, ukeys, paths, sizes[index], index, snap.job)
 
 
 @dataclass
@@ -346,11 +370,11 @@ class Speculator:
         kernel = cache.handles.kernel
         self._trusted = kernel.trusted
         held = kernel if self._trusted else None  # the kernel serves what it holds
-        job = cache.readers.jobs.jobs[row]
         unread = t.unread(row)
         snap = _Snapshot(
             f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
-            cache.cached_keys(), int(self.rng.integers(1 << 62)), job.reads, held,
+            cache.cached_keys(), int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]),
+            held,
         )  # fmt: skip
         if self._nursery is None or t.size[row] <= self.offload_above:
             self._install(row, _build_plan(snap))

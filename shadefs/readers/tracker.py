@@ -353,8 +353,14 @@ class Tracker:
         mask &= self.where[:n] >= 0
         return np.flatnonzero(mask)
 
-    def read_this_epoch(self, row: int, i: int) -> bool:
-        return bool(self._last[row][i] >= self.epoch[row])
+    def read_since(self, row: int, epoch: int, ids: np.ndarray) -> np.ndarray:
+        """Which of `ids` job `row` read in epoch `epoch` or later: what a speculative plan
+        made in that epoch asks, up to the latest open (no log to take in first)."""
+        read: np.ndarray = self.last[row, ids] >= epoch
+        return read
+
+    def read_one_since(self, row: int, epoch: int, i: int) -> bool:
+        return bool(self._last[row][i] >= epoch)
 
     def path(self, i: int) -> bytes:
         return path_at(self.listings, int(self.where[i]))
