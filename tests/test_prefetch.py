@@ -171,9 +171,10 @@ def test_a_fast_source_is_fetched_in_batches() -> None:
     assert pf.target_workers() == 2  # 16 files per 4 ms call keep up with 2000 reads/s
     pf.file_seconds = 0.0005  # 500 us per file: four per call, so more calls
     assert pf.batch_size() == 4 and pf.target_workers() == 3
-    batch = pf._next_batch()
+    batch, origins = pf._next_batch()
     assert [k for k, _, _ in batch] == [0, 1, 2, 3] and set(pf._inflight) == {0, 1, 2, 3}
-    assert [k for k, _, _ in pf._next_batch()] == [4, 5, 6, 7]  # never a key twice
+    assert origins == [(p, 0), (p, 1), (p, 2), (p, 3)]
+    assert [k for k, _, _ in pf._next_batch()[0]] == [4, 5, 6, 7]  # never a key twice
 
 
 # --- real mounts over a slow source ---------------------------------------------------------
@@ -334,7 +335,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         plan.readers = 3  # three members read this plan, each at its own pace
         pf.add_plan(plan)
         pf._inflight[1] = 3  # as the scheduler does before it starts a fetch
-        await pf._fetch([(1, b"p1", 3)])
+        await pf._fetch([(1, b"p1", 3)], [(plan, 0)])
         for _ in range(3):
             pf.observe(1)  # a member opens it: served from staging
             assert pf.take(1, sig) == b"abc"
@@ -343,7 +344,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         # A file of a plan with one reader is handed over at its first open.
         plan.readers = 1
         pf._inflight[2] = 3
-        await pf._fetch([(2, b"p2", 3)])
+        await pf._fetch([(2, b"p2", 3)], [(plan, 1)])
         pf.observe(2)
         assert pf.take(2, sig) == b"abc" and pf.take(2, sig) is None
 

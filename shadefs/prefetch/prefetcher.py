@@ -314,15 +314,17 @@ class Prefetcher:
                 self._held_back = False
                 self._expire()
                 while self._calls < self.target_workers():
-                    batch = self._next_batch()
+                    batch, origins = self._next_batch()
                     if not batch:
                         break
                     self._calls += 1
-                    nursery.start_soon(self._fetch, batch)
+                    nursery.start_soon(self._fetch, batch, origins)
 
-    def _next_batch(self) -> list[tuple[int, bytes, int]]:
-        """The next fetch call's (key, path, size) items, counted in flight."""
+    def _next_batch(self) -> tuple[list[tuple[int, bytes, int]], list[tuple[Plan, int]]]:
+        """The next fetch call's (key, path, size) items, counted in flight, and the
+        (plan, position) each was taken from."""
         batch: list[tuple[int, bytes, int]] = []
+        origins: list[tuple[Plan, int]] = []
         n, nbytes = self.batch_size(), 0
         while len(batch) < n and nbytes < _BATCH_BYTES:
             item = self._next_item()
@@ -334,9 +336,12 @@ class Prefetcher:
             self._inflight_bytes += size
             nbytes += size
             batch.append((key, plan.paths[pos], size))
-        return batch
+            origins.append(item)
+        return batch, origins
 
-    async def _fetch(self, batch: Sequence[tuple[int, bytes, int]]) -> None:
+    async def _fetch(
+        self, batch: Sequence[tuple[int, bytes, int]], origins: Sequence[tuple[Plan, int]]
+    ) -> None:
         """One fetch call: `batch`'s files read in one worker thread, then staged."""
         t0 = time.monotonic()
         try:
@@ -357,25 +362,37 @@ class Prefetcher:
         # A plan knows the reads it has not taken in yet (a speculative plan's job's log):
         # `_stage` asks the plans, never their planner, so a fetch re-enters no planner.
         landed: list[tuple[int, bytes, Signature]] = []
-        for (key, path, _), one in zip(batch, got, strict=True):
+        froms: list[tuple[Plan, int]] = []
+        for (key, path, _), one, origin in zip(batch, got, origins, strict=True):
             if isinstance(one, BaseException):
                 self.errors += 1
                 log.debug("prefetch of %r failed: %r", path, one)
             elif one is not None:
                 landed.append((key, *one))
+                froms.append(origin)
                 self.fetched += 1
                 self.fetched_bytes += len(one[0])
         if landed:
-            self._stage(landed)
+            self._stage(landed, froms)
 
-    def _stage(self, landed: list[tuple[int, bytes, Signature]]) -> None:
-        """Stage the fetched files that some plan still reads (one pass per plan)."""
-        keys = np.array([k for k, _, _ in landed], dtype=np.uint64)
-        readers = np.zeros(len(keys), dtype=np.int64)
-        for plan in self.plans.values():
-            readers = np.maximum(readers, np.where(plan.unread(keys), plan.readers, 0))
+    def _stage(
+        self, landed: list[tuple[int, bytes, Signature]], origins: list[tuple[Plan, int]]
+    ) -> None:
+        """Stage the fetched files that some plan still reads: the plan an item came from
+        is asked at its position, every other plan in one vectorised pass."""
+        plans = self.plans
+        readers = [
+            plan.readers if plans.get(plan.name) is plan and not plan.consumed(pos) else 0
+            for plan, pos in origins
+        ]
+        if len(plans) > 1 or not all(readers):  # (a replayed key reads on further on)
+            keys = np.array([k for k, _, _ in landed], dtype=np.uint64)
+            most = np.array(readers, dtype=np.int64)
+            for plan in plans.values():
+                most = np.maximum(most, np.where(plan.unread(keys), plan.readers, 0))
+            readers = most.tolist()
         now = time.monotonic()
-        for (key, data, sig), n in zip(landed, readers.tolist(), strict=True):
+        for (key, data, sig), n in zip(landed, readers, strict=True):
             if not n or key in self.staged or self._tier_of(key):
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue
