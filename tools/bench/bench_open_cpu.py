@@ -57,9 +57,13 @@ def run(src: Path, tmp: Path, rels: list[str], jobs: int, args: argparse.Namespa
         s = stats(m)
         opens = s["hits"] + s["misses"] - opens0
     per_open = cpu / opens * 1e6
+    pf = s.get("prefetch") or {}
+    misses = max(s["misses"] - s0["misses"], 1)
     print(
         f"{jobs} job(s) at {len(rels)} files: {opens} opens, daemon CPU {cpu:.1f} s, "
-        f"{per_open:.0f} µs per open, hit ratio {s['hit_ratio']:.3f}",
+        f"{per_open:.0f} µs per open, hit ratio {s['hit_ratio']:.3f}; misses staged "
+        f"{pf.get('served', 0) / misses:.2f}, prefetched {pf.get('fetched', 0)} files, "
+        f"{pf.get('wasted', 0)} unstaged unread, source files {s['source_fetches']}",
         flush=True,
     )
     return per_open
