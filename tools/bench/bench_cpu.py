@@ -256,8 +256,8 @@ def per_sample(p: Pass) -> str:
 def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: int) -> None:
     print(f"\n{files} files, {readers} readers; CPU = the daemon's utime+stime from /proc")
     print(
-        f"{'config':<14} {'pass':<5} {'us/open':>8} {'x floor':>8} {'files/s/core':>13} "
-        f"{'files/s wall':>13}  requests per sample"
+        f"{'config':<14} {'pass':<5} {'us/open':>8} {'x floor':>8} {'trio':>6} "
+        f"{'files/s/core':>13} {'files/s wall':>13} {'MB/s':>10}  requests per sample"
     )
     floor = results.get("floor")
     for name, (cold, warm) in results.items():
