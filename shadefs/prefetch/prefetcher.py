@@ -21,13 +21,13 @@ Scheduling (Lobster):
   the readers' consumption rate times the source latency. Both are measured (EWMA), and the
   target is bounded by `max_workers`. So the prefetcher neither starves the readers nor
   floods the source with more requests than the readers can use;
-- batches: one fetch call reads several files in one worker thread, as many as the source
-  reads in about `_BATCH_SECONDS` (its own time per file, measured in the thread). A thread
-  hop and a scheduling round cost far more CPU than reading a small file from a fast
-  source, so on one the prefetcher keeps ahead at a fraction of the CPU; a slow source
-  (NFS, ms per file) gets one file per call, and parallel calls, as before. A round runs
-  when a batch lands, or when a take frees room in a window that had held the last round
-  back, not on every open.
+- batches: one fetch call reads as many files in one worker thread as the source reads in
+  about `_BATCH_SECONDS` (its time per file, measured in the thread): a thread hop costs
+  more CPU than reading a small file from a fast source; a slow one (NFS) gets one file
+  per call, and parallel calls. A round runs when a batch lands, or when a take frees
+  room in a window that had held the last round back, not on every open. A landed file is
+  staged if the plan it was taken for still reads it at that position, or another plan
+  reads it (one numpy pass per plan, run only when there are several).
 
 A sweep group's plan has several readers (`Plan.readers`, its members, which read one
 order each at their own pace; the cursor follows the fastest). A file staged for it stays
@@ -37,12 +37,12 @@ window, which bounds how far the members may drift apart before the slowest miss
 and it outlives the plan's end (the fastest member's next epoch) by at most `abandon_after`
 seconds.
 
-Every byte fetched once: an entry its reader already opened (workers read ahead of the
-cursor) is never fetched, a reader that opens a file being prefetched joins that flight,
-and a file a known order replays stays staged for its next read (within the window's reach
-of the plan, or anywhere while such replays hold at most a quarter of the window), rather
-than be fetched again. A speculative plan (prefetch/speculate.py) is staged like any other,
-but the policies' `planned` and `next_use` ignore it: it is a guess.
+Every byte fetched once: an entry its reader already opened is never fetched, a reader
+that opens a file being prefetched joins that flight, and a file a known order replays
+stays staged for its next read (within the window's reach of the plan, or anywhere while
+such replays hold at most a quarter of the window). A speculative plan
+(prefetch/speculate.py) is staged like any other, but the policies' `planned` and
+`next_use` ignore it: it is a guess.
 
 A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
 or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
@@ -73,6 +73,9 @@ from shadefs.stats import PrefetchStats
 __all__ = ["FetchAhead", "Plan", "PrefetchSettings", "Prefetcher"]
 
 log = logging.getLogger(__name__)
+
+_Item = tuple[int, bytes, int]  # a fetch's (key, path, size)
+_Origin = tuple[Plan, int]  # the plan and position a fetched item was taken from
 
 _EWMA = 0.2
 # A batch reads about this long in its worker thread (the source's own time per file).
@@ -141,14 +144,8 @@ class Prefetcher:
         self._wake = trio.Event()
         self.latency = 0.01  # seconds per fetch call, EWMA
         self.file_seconds = 0.0005  # the source's own seconds per file, EWMA
-        self.fetched = 0
-        self.fetched_bytes = 0
-        self.served = 0
-        self.wasted = 0
-        self.errors = 0
-        self.skipped = 0
-        self.plans_done = 0
-        self.plans_abandoned = 0
+        self.fetched = self.fetched_bytes = self.served = self.wasted = 0  # counters
+        self.errors = self.skipped = self.plans_done = self.plans_abandoned = 0
 
     # --- plans --------------------------------------------------------------------------
 
@@ -320,11 +317,10 @@ class Prefetcher:
                     self._calls += 1
                     nursery.start_soon(self._fetch, batch, origins)
 
-    def _next_batch(self) -> tuple[list[tuple[int, bytes, int]], list[tuple[Plan, int]]]:
-        """The next fetch call's (key, path, size) items, counted in flight, and the
-        (plan, position) each was taken from."""
-        batch: list[tuple[int, bytes, int]] = []
-        origins: list[tuple[Plan, int]] = []
+    def _next_batch(self) -> tuple[list[_Item], list[_Origin]]:
+        """The next fetch call's items, counted in flight, and where each was taken from."""
+        batch: list[_Item] = []
+        origins: list[_Origin] = []
         n, nbytes = self.batch_size(), 0
         while len(batch) < n and nbytes < _BATCH_BYTES:
             item = self._next_item()
@@ -339,9 +335,7 @@ class Prefetcher:
             origins.append(item)
         return batch, origins
 
-    async def _fetch(
-        self, batch: Sequence[tuple[int, bytes, int]], origins: Sequence[tuple[Plan, int]]
-    ) -> None:
+    async def _fetch(self, batch: Sequence[_Item], origins: Sequence[_Origin]) -> None:
         """One fetch call: `batch`'s files read in one worker thread, then staged."""
         t0 = time.monotonic()
         try:
@@ -359,10 +353,9 @@ class Prefetcher:
         self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
         if seconds > 0:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
-        # A plan knows the reads it has not taken in yet (a speculative plan's job's log):
-        # `_stage` asks the plans, never their planner, so a fetch re-enters no planner.
+        # `_stage` asks the plans, never their planner: a fetch re-enters no planner.
         landed: list[tuple[int, bytes, Signature]] = []
-        froms: list[tuple[Plan, int]] = []
+        froms: list[_Origin] = []
         for (key, path, _), one, origin in zip(batch, got, origins, strict=True):
             if isinstance(one, BaseException):
                 self.errors += 1
@@ -375,9 +368,7 @@ class Prefetcher:
         if landed:
             self._stage(landed, froms)
 
-    def _stage(
-        self, landed: list[tuple[int, bytes, Signature]], origins: list[tuple[Plan, int]]
-    ) -> None:
+    def _stage(self, landed: list[tuple[int, bytes, Signature]], origins: list[_Origin]) -> None:
         """Stage the fetched files that some plan still reads: the plan an item came from
         is asked at its position, every other plan in one vectorised pass."""
         plans = self.plans

@@ -6,8 +6,8 @@ job's unread files, the fetch log clears at its epoch boundaries, the stats show
 epochs. Nothing else infers an epoch.
 
 **Dense ids.** A cache key (an inode number, or a negative block key) gets a dense id the
-first time it is read or listed (`id_of`, a dict: the one per-file Python structure left).
-Everything per file is a numpy column over ids:
+first time it is read or listed (`id_of`, readers/ids.py: open addressing over flat arrays,
+no Python object per file). Everything per file is a numpy column over ids:
 
 - `keys`, `sizes`, `where` (listing index << 32 | row; -1 when the file's listing is
   unknown), the universe of the speculator's plans;
@@ -44,6 +44,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
+from shadefs.readers.ids import IdTable
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,9 @@ class Tracker:
 
     def __init__(self, listing_of: ListingOf | None = None) -> None:
         self.listing_of = listing_of or _no_listings
-        self.id_of: dict[int, int] = {}
+        self.id_of = IdTable()  # key -> id; its `keys` column is id -> key
         self.n = 0
         cap = 64
-        self.keys = np.zeros(cap, dtype=np.int64)
         self.sizes = np.zeros(cap, dtype=np.int64)
         self.where = np.full(cap, -1, dtype=np.int64)
         self.want = np.zeros(cap, dtype=np.int32)
@@ -137,8 +138,13 @@ class Tracker:
 
     # --- ids ------------------------------------------------------------------------------
 
+    @property
+    def keys(self) -> np.ndarray:
+        """id -> key (the id table's column; a grown one is a new array, the old stays)."""
+        return self.id_of.keys
+
     def _grow_ids(self, need: int) -> None:
-        cap = len(self.keys)
+        cap = len(self.sizes)
         if need <= cap:
             return  # room already (a copy of every column per listing cost 7 ms at 1 M)
         while cap < need:
@@ -146,7 +152,7 @@ class Tracker:
         # Only the ids in use are copied, and zeroed columns come from calloc (pages are
         # touched when written): a doubling at 1 M ids held the event loop ~60 ms otherwise.
         n = self.n
-        for name in ("keys", "sizes", "where", "want", "done"):
+        for name in ("sizes", "where", "want", "done"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[:n] = old[:n]
@@ -171,29 +177,25 @@ class Tracker:
         """The dense id of `key`, made on first sight: wanted by every active job."""
         i = self.id_of.get(key)
         if i is None:
-            i = self.n
-            if i == len(self.keys):
+            i = self.id_of.add(key)
+            if i == len(self.sizes):
                 self._grow_ids(i + 1)
-            self.n += 1
-            self.id_of[key] = i
-            self.keys[i] = key
+            self.n = i + 1
             self.last[:, i] = self._minus_one()
             self.want[i] = len(self.active)
         return i
 
     def _ids(self, keys: np.ndarray) -> np.ndarray:
         """The ids of `keys`, made for the unknown ones in one go."""
-        id_of = self.id_of
-        fresh = list(dict.fromkeys(k for k in keys.tolist() if k not in id_of))  # hard links
-        if fresh:
-            start, m = self.n, len(fresh)
+        start = self.n
+        ids = self.id_of.add_many(keys)  # (a hard link's key repeats: one id)
+        m = len(self.id_of) - start
+        if m:
             self._grow_ids(start + m)
             self.n += m
-            id_of.update(zip(fresh, range(start, start + m), strict=True))
-            self.keys[start : start + m] = fresh
             self.last[:, start : start + m] = self._minus_one()[:, None]
             self.want[start : start + m] = len(self.active)
-        return np.fromiter((id_of[k] for k in keys.tolist()), np.int64, len(keys))
+        return ids
 
     # --- jobs -----------------------------------------------------------------------------
 
@@ -373,6 +375,7 @@ class Tracker:
         universe grew. About `_SETTLE_FILES` files at most join per call, the rest at the
         next: a job's first reads touch every directory of a dataset within seconds, and
         giving each of 1.28 M files its id at once held the event loop 1.4 s."""
+        self.id_of.step()  # the id table's grown slots fill a bounded share per call
         pairs = self._unsettled
         if not pairs:
             return False

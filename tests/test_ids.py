@@ -1,0 +1,48 @@
+"""The readers' id table against a dict: dense ids in order of first sight, for any int64
+key, through every growth of its slots (whose ids move over in steps)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shadefs.readers.ids import IdTable
+
+
+def test_ids_match_a_dict_through_growth() -> None:
+    rng = np.random.default_rng(3)
+    table, oracle = IdTable(bits=4), {}
+    edge = [0, -1, 1, 2**63 - 1, -(2**63), 7]
+    for rnd in range(60):
+        if rnd % 3:
+            keys = rng.integers(-(2**40), 2**40, int(rng.integers(1, 900)))
+            keys[: len(edge)] = edge[: len(keys)]
+            got = table.add_many(keys).tolist()
+        else:
+            keys = rng.integers(-(2**40), 2**40, 50)
+            got = [table.add(k) for k in keys.tolist()]
+        for k, i in zip(keys.tolist(), got, strict=True):
+            assert oracle.setdefault(k, len(oracle)) == i
+        assert len(table) == len(oracle)
+        # Every key is found, also while some ids still sit in the old slots only.
+        sample = list(oracle.items())[:: max(1, len(oracle) // 400)]
+        assert all(table.get(k) == i for k, i in sample)
+        assert table.get(2**41 + rnd) is None and (2**41 + rnd) not in table
+    assert table._old is None or table._moved < table._target  # growth was stepwise
+    table.step(1 << 30)
+    assert table._old is None and table._s.used == len(oracle)
+    assert table.keys[: len(oracle)].tolist() == list(oracle)
+    assert all(table[k] == i for k, i in oracle.items())
+
+
+def test_a_growth_moves_the_ids_in_bounded_steps() -> None:
+    table = IdTable(bits=17)
+    n = (1 << 17) * 2 // 3 + 1  # one past 2/3: the slots double
+    ids = table.add_many(np.arange(1, n + 1, dtype=np.int64) * 1_000_003)
+    assert ids.tolist() == list(range(n)) and table._old is not None
+    assert table._moved == 0 < table._target  # nothing moved in the call that grew it
+    table.step()
+    assert 0 < table._moved < table._target  # a bounded share per step, not all at once
+    assert table.get(5 * 1_000_003) == 4 and table.get(n * 1_000_003) == n - 1
+    while table._old is not None:
+        table.step()
+    assert all(table.get(k * 1_000_003) == k - 1 for k in range(1, n + 1, 97))
