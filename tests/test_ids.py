@@ -46,3 +46,15 @@ def test_a_growth_moves_the_ids_in_bounded_steps() -> None:
     while table._old is not None:
         table.step()
     assert all(table.get(k * 1_000_003) == k - 1 for k in range(1, n + 1, 97))
+
+
+def test_single_adds_alone_finish_every_growth() -> None:
+    # Reads of files never listed add their keys one by one: the ids still in the old slots
+    # count against the grown ones' room, and single adds move them over too.
+    table = IdTable(bits=10)
+    keys = np.random.default_rng(5).integers(-(2**50), 2**50, 200_000).tolist()
+    for i, key in enumerate(keys):
+        assert table.add(key) == i
+    assert all(table.get(k) == i for i, k in enumerate(keys[::101]) for i in [i * 101])
+    live = table._s.used + table._target - table._moved
+    assert live == len(keys) and live * 3 <= len(table._s.slots) * 2

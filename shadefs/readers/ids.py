@@ -36,6 +36,7 @@ class IdTable:
         self._old: _Slots | None = None
         self._moved = 0
         self._target = 0  # the ids the old slots hold
+        self._debt = 0  # single adds since the last step
 
     def _alloc(self, bits: int) -> None:
         self._s = _Slots(bits)
@@ -90,7 +91,12 @@ class IdTable:
         slots[i] = j + 1
         self._n = j + 1
         s.used += 1
-        if s.used * 3 > (mask + 1) * 2:
+        if self._old is not None:
+            self._debt += 1
+            if self._debt >= 512:  # single adds move the ids over too, in numpy batches
+                self.step(2 * self._debt)
+        # The ids still in the old slots will land in these: they count against the room.
+        if (s.used + self._target - self._moved) * 3 > (mask + 1) * 2:
             self._grow_slots()
         return j
 
@@ -110,6 +116,7 @@ class IdTable:
         id added finish the move before the grown slots are 2/3 full."""
         if self._old is None:
             return
+        self._debt = 0
         end = min(self._moved + ids, self._target)
         self._s.place(self.keys, self._moved, end)
         self._moved = end
