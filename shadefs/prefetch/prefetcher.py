@@ -103,11 +103,16 @@ class Prefetcher:
 
     @classmethod
     def with_settings(
-        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Callable[[int], int]
+        cls,
+        settings: PrefetchSettings,
+        fetch_ahead: FetchAhead,
+        tier_of: Callable[[int], int],
+        reads_left: Callable[[int], int] | None = None,
     ) -> Prefetcher:
         return cls(
             fetch_ahead,
             tier_of,
+            reads_left,
             window=settings.window,
             max_workers=settings.max_workers,
             abandon_after=settings.abandon_after,
@@ -117,6 +122,7 @@ class Prefetcher:
         self,
         fetch_ahead: FetchAhead,
         tier_of: Callable[[int], int],
+        reads_left: Callable[[int], int] | None = None,
         *,
         window: int,
         max_workers: int = 16,
@@ -124,6 +130,9 @@ class Prefetcher:
     ) -> None:
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
+        # The reads of `key` the known orders still make, over every job (the readers'
+        # pending reads): how long a sweep group's staged file is held.
+        self._reads_left = reads_left
         self.window = window
         self.max_workers = max_workers
         self.abandon_after = abandon_after
@@ -233,6 +242,25 @@ class Prefetcher:
             return None
         self.served += 1
         return data
+
+    def hold(self, key: int, data: bytes, sig: Signature) -> bool:
+        """Keep `key`'s bytes staged for the reads the known orders still make of it (all
+        of them: `reads_left`): the cache refused them, and a sweep group's plan is being
+        read, whose members behind would otherwise fetch them again each. False (not held)
+        without such a plan or such reads, or without room in the window."""
+        if self._reads_left is None or not any(p.readers > 1 for p in self.plans.values()):
+            return False
+        reads = self._reads_left(key)
+        if reads <= 0:
+            return False
+        if key not in self.staged:
+            if self.staged_bytes + self._inflight_bytes + len(data) > self.window:
+                return False
+            self.staged[key] = (data, sig)
+            self.staged_bytes += len(data)
+        self._takes_left[key] = reads
+        self._held_since[key] = time.monotonic()
+        return True
 
     def _wanted_again(self, key: int, size: int) -> bool:
         """Whether a known order reads `key` again: within what the window covers of the
@@ -375,7 +403,11 @@ class Prefetcher:
         for plan in self.plans.values():
             readers = np.maximum(readers, np.where(plan.unread(keys), plan.readers, 0))
         now = time.monotonic()
+        reads_left = self._reads_left
         for (key, data, sig), n in zip(landed, readers.tolist(), strict=True):
+            if n > 1 and reads_left is not None:
+                # A group's members' reads to come, replays included (not one per member).
+                n = max(n, reads_left(key))
             if not n or key in self.staged or self._tier_of(key):
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue

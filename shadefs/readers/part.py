@@ -103,7 +103,7 @@ class Readers:
         return gone
 
     def _ended(self, row: int) -> None:
-        self.pending.drop(row)  # what it had still to read, it reads no more
+        self.pending.ended(row)  # what it had still to read, it reads no more
         self.tracker.leave(row)
 
     def describe(self) -> list[JobStats]:
