@@ -67,6 +67,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.ssd_format import Signature
+from shadefs.prefetch.holds import Holds
 from shadefs.prefetch.plans import Plan
 from shadefs.stats import PrefetchStats
 
@@ -87,6 +88,7 @@ FetchAhead = Callable[
     [Sequence[tuple[int, bytes, int]]],
     Awaitable[tuple[list[tuple[bytes, Signature] | BaseException | None], float]],
 ]
+Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,7 @@ class Prefetcher:
 
     @classmethod
     def with_settings(
-        cls,
-        settings: PrefetchSettings,
-        fetch_ahead: FetchAhead,
-        tier_of: Callable[[int], int],
-        reads_left: Callable[[int], int] | None = None,
+        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Of, reads_left: Of
     ) -> Prefetcher:
         return cls(
             fetch_ahead,
@@ -121,8 +119,8 @@ class Prefetcher:
     def __init__(
         self,
         fetch_ahead: FetchAhead,
-        tier_of: Callable[[int], int],
-        reads_left: Callable[[int], int] | None = None,
+        tier_of: Of,
+        reads_left: Of | None = None,
         *,
         window: int,
         max_workers: int = 16,
@@ -130,17 +128,14 @@ class Prefetcher:
     ) -> None:
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
-        # The reads of `key` the known orders still make, over every job (the readers'
-        # pending reads): how long a sweep group's staged file is held.
-        self._reads_left = reads_left
+        self._reads_left = reads_left  # a key's reads to come in the known orders, all jobs'
         self.window = window
         self.max_workers = max_workers
         self.abandon_after = abandon_after
         self.plans: dict[str, Plan] = {}
         self.staged: dict[int, tuple[bytes, Signature]] = {}
         self.staged_bytes = 0
-        self._takes_left: dict[int, int] = {}  # staged key -> opens that will still take it
-        self._held_since: dict[int, float] = {}  # those keys -> when they were staged
+        self.holds = Holds()  # staged keys that a sweep group's members will still open
         self._inflight: dict[int, int] = {}  # key -> size
         self._calls = 0  # fetch calls (batches) in flight
         self._held_back = False  # the last round stopped at a full window
@@ -186,14 +181,7 @@ class Prefetcher:
                 self._wake.set()
         if key in self.staged and self._tier_of(key):
             self._unstage(key)  # kept staged for this read, and cached since: a hit
-        left = self._takes_left.get(key)
-        if left is not None:
-            # One more of a group's opens: the last one takes it out of staging.
-            if left > 1:
-                self._takes_left[key] = left - 1
-            else:
-                del self._takes_left[key]
-                self._held_since.pop(key, None)
+        self.holds.opened(key)  # one more of a group's opens: the last one releases it
 
     def planned(self, keys: np.ndarray) -> np.ndarray:
         """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
@@ -227,7 +215,7 @@ class Prefetcher:
         if item is None:
             return None
         data, staged_sig = item
-        if staged_sig == sig and (key in self._takes_left or self._wanted_again(key, len(data))):
+        if staged_sig == sig and (key in self.holds or self._wanted_again(key, len(data))):
             # A group's member behind the fastest will open it too, or its reader reads it
             # again soon (a replayed sample): keep it staged rather than fetch it twice.
             self.served += 1
@@ -244,13 +232,10 @@ class Prefetcher:
         return data
 
     def hold(self, key: int, data: bytes, sig: Signature) -> bool:
-        """Keep `key`'s bytes staged for the reads the known orders still make of it (all
-        of them: `reads_left`): the cache refused them, and a sweep group's plan is being
-        read, whose members behind would otherwise fetch them again each. False (not held)
-        without such a plan or such reads, or without room in the window."""
-        if self._reads_left is None or not any(p.readers > 1 for p in self.plans.values()):
-            return False
-        reads = self._reads_left(key)
+        """Keep the bytes the cache refused staged for their reads to come while a sweep
+        group reads (holds.py); False without such reads, or room in the window."""
+        left, plans = self._reads_left, self.plans.values()
+        reads = left(key) if left is not None and any(p.readers > 1 for p in plans) else 0
         if reads <= 0:
             return False
         if key not in self.staged:
@@ -258,8 +243,7 @@ class Prefetcher:
                 return False
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
-        self._takes_left[key] = reads
-        self._held_since[key] = time.monotonic()
+        self.holds.hold(key, reads, time.monotonic())
         return True
 
     def _wanted_again(self, key: int, size: int) -> bool:
@@ -286,8 +270,7 @@ class Prefetcher:
         if key in self._replays:
             self._replays.discard(key)
             self._replay_bytes -= len(data)
-        self._takes_left.pop(key, None)
-        self._held_since.pop(key, None)
+        self.holds.release(key)
 
     # --- the fetch side -------------------------------------------------------------------
 
@@ -403,19 +386,16 @@ class Prefetcher:
         for plan in self.plans.values():
             readers = np.maximum(readers, np.where(plan.unread(keys), plan.readers, 0))
         now = time.monotonic()
-        reads_left = self._reads_left
         for (key, data, sig), n in zip(landed, readers.tolist(), strict=True):
-            if n > 1 and reads_left is not None:
-                # A group's members' reads to come, replays included (not one per member).
-                n = max(n, reads_left(key))
+            if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
+                n = max(n, self._reads_left(key))
             if not n or key in self.staged or self._tier_of(key):
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
             if n > 1:
-                self._takes_left[key] = n
-                self._held_since[key] = now
+                self.holds.hold(key, n, now)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -430,12 +410,7 @@ class Prefetcher:
                 ended.append(name)
         for name in ended:
             del self.plans[name]
-        old = [k for k, t in self._held_since.items() if now - t > self.abandon_after]
-        for key in old:
-            # A group member that never came for it: stop holding it for them.
-            self._takes_left.pop(key, None)
-            self._held_since.pop(key, None)
-        if ended or old:
+        if self.holds.expire(now, self.abandon_after) or ended:
             self._drop_unplanned()
 
     def _drop_unplanned(self) -> None:
@@ -447,7 +422,7 @@ class Prefetcher:
         planned = np.zeros(len(keys), dtype=bool)
         for plan in self.plans.values():
             planned |= plan.unread(keys)
-        held = self._takes_left
+        held = self.holds
         for key in keys[~planned].tolist():
             if key not in held:
                 self._unstage(key)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 _POOL = -1  # the node's pool: counts of orders no single job reads (multi-node installs)
+_NONE = np.zeros(0, dtype=np.int32)  # the ahead counts of an order no member waits for
 
 
 class PendingReads:
@@ -118,27 +119,24 @@ class PendingReads:
     ) -> None:
         """A member of `group` counted its share of `epoch`: the first one counts it for
         the other members too, a later one takes its copy back from those counts."""
-        ahead = self._ahead.get((group, epoch, share))
-        if ahead is not None:
+        if (group, epoch, share) in self._ahead:
             self._release_ahead((group, epoch, share), 1)
             return
-        # The group's first request of this epoch: the members two epochs behind are too
-        # far to bridge, and may never ask; their copies are released.
+        # The group's first request of this epoch (a key stays, with no copies left, until
+        # then): the members two epochs behind are too far to bridge, and may never ask.
         for key in [k for k in self._ahead if k[0] == group and k[1] < epoch - 1]:
             self._release_ahead(key, len(self.left))
-        if members > 1:
-            self._ahead[(group, epoch, share)] = (counts, members - 1)
-            self.left[: len(counts)] += counts * (members - 1)
+            del self._ahead[key]
+        copies = max(members - 1, 0)
+        self._ahead[(group, epoch, share)] = (counts if copies else _NONE, copies)
+        self.left[: len(counts)] += counts * copies
 
     def _release_ahead(self, key: tuple[str, int, tuple[int, int]], copies: int) -> None:
         """Take up to `copies` copies of `key`'s ahead counts off the reads to come."""
         counts, left = self._ahead[key]
         n = min(copies, left)
         self.left[: len(counts)] -= counts * n
-        if left > n:
-            self._ahead[key] = (counts, left - n)
-        else:
-            del self._ahead[key]
+        self._ahead[key] = (counts if left > n else _NONE, left - n)
 
     @staticmethod
     def count(samples: np.ndarray, n: int) -> np.ndarray:
@@ -157,10 +155,11 @@ class PendingReads:
             self._mine[row] = np.zeros(len(self.left), dtype=np.int32)
         return self._mine[row]
 
-    def ended(self, job: int) -> None:
-        """Job `job` is over: what it still had to read, and the copies of its group's
-        orders counted ahead for it (the epochs after its own), are not read any more."""
-        group, epoch = self._group_of.pop(job, ""), self._epoch_of.get(job, -1)
+    def ended(self, job: int, group: str = "") -> None:
+        """Job `job` of sweep group `group` is over: what it still had to read, and the
+        copies of its group's orders counted ahead for it (the epochs after its own), are
+        not read any more."""
+        group, epoch = self._group_of.pop(job, group), self._epoch_of.get(job, -1)
         for key in [k for k in self._ahead if k[0] == group and k[1] > epoch]:
             self._release_ahead(key, 1)
         self.drop(job)
