@@ -8,13 +8,16 @@ import pytest
 import trio
 import trio.testing
 
+from shadefs.cache.coordinator import Cache
 from shadefs.cache.ssd_format import Signature
-from shadefs.prefetch.prefetcher import Prefetcher
+from shadefs.prefetch.prefetcher import Prefetcher, PrefetchSettings
+from shadefs.readers.jobs import JobTable, ProcInfo
+from shadefs.readers.part import Readers
 from shadefs.readers.pending import PendingReads
 from shadefs.sampling import wire
 from shadefs.sampling.registry import Sampling
+from shadefs.stats import Metrics
 from tests.test_pending import SIZE, _cache, _Source
-from tests.test_prefetch import _cache as _prefetching_cache
 from tests.test_prefetch import _CountingSource, _plan
 
 
@@ -85,23 +88,26 @@ def test_a_refused_file_is_held_in_staging_for_the_members_behind() -> None:
     # cannot be admitted, and without staging each member behind would fetch them again.
     async def run() -> None:
         source = _CountingSource(delay=0.01)
-        cache = _prefetching_cache(source)
+        pending = PendingReads(lambda key: key if 0 <= key < 20 else -1)
+        pending.reset(20)
+        readers = Readers(JobTable(proc=ProcInfo("/nonexistent")), pending)
+        cache = Cache(source, Metrics(), capacity=8000, prefetch=PrefetchSettings(10_000),  # type: ignore[arg-type]
+                      readers=readers)  # fmt: skip
         pf = cache.prefetcher
         assert pf is not None
-        pending = cache.pending
-        pending.sample_of = lambda key: key if 0 <= key < 20 else -1
-        pending.reset(20)
         kept, misses = list(range(8)), list(range(8, 14))
-        for key in kept:
-            cache.unpin(await cache.open(key, b"/%d" % key, source.stat(key)))
+        for key in kept:  # another job's reads
+            cache.unpin(await cache.open(key, b"/%d" % key, source.stat(key), pid=9))
+        rows = [readers.name_job(pid, f"member{pid}", "sweep") for pid in (1, 2, 3)]
         plan = _plan("group", misses + kept, size=1000)
         plan.readers = 3
         pf.add_plan(plan)  # no scheduler runs: what is staged is what the cache held
-        pending.expect(1, np.array(misses * 3 + kept))  # three members' reads to come
+        for row in rows:
+            pending.expect(1, np.array(misses + kept), row, group="sweep", members=3)
         source.fetches.clear()
-        for _ in range(3):  # one member after another
+        for pid in (1, 2, 3):  # one member after another
             for key in misses:
-                data = await cache.open(key, b"/%d" % key, source.stat(key))
+                data = await cache.open(key, b"/%d" % key, source.stat(key), pid=pid)
                 assert data == bytes(1000)
                 cache.unpin(data)
         assert sorted(source.fetches) == sorted(b"/%d" % k for k in misses)  # once each
@@ -141,17 +147,16 @@ def test_nothing_is_held_without_a_group_reading() -> None:
     source = _Source()
     pending = PendingReads(lambda key: key)
     pending.reset(4)
-    pending.expect(0, np.array([1, 1]))
+    pending.expect(0, np.array([1, 1]), job=0)  # a job of no group: the policies decide
     sig = Signature(size=SIZE, mtime_ns=1, ctime_ns=1, ino=1)
-    pf = Prefetcher(source.read_files, lambda key: 0, pending.reads_left, window=10_000)
-    assert not pf.hold(1, bytes(SIZE), sig)  # no plan of a group
-    pf.add_plan(_plan("solo", [1, 1]))
-    assert not pf.hold(1, bytes(SIZE), sig)  # one reader: the policies decide
-    group = _plan("group", [1, 2])
-    group.readers = 2
-    pf.add_plan(group)
+    pf = Prefetcher(source.read_files, lambda key: 0, pending.group_reads_left, window=10_000)
+    assert not pf.hold(1, bytes(SIZE), sig)
+    pending.expect(0, np.array([1]), job=1, group="sweep", members=2)
     assert not pf.hold(2, bytes(SIZE), sig)  # no read of 2 to come
     assert pf.hold(1, bytes(SIZE), sig) and pf.staged_bytes == SIZE
+    assert pf.holds.left == {1: 4}  # its reads to come, over every job
+    pending.ended(1, "sweep")
+    assert not pf.hold(3, bytes(SIZE), sig)
 
 
 def test_a_groups_order_is_counted_for_its_members_at_the_first_request() -> None:

@@ -111,7 +111,7 @@ class Cache:
         self.handle_passthrough = 0  # opens read through because handles held too much
         self.prefetcher = (
             Prefetcher.with_settings(
-                prefetch, self.fetch_ahead, self.tier_of, self.pending.reads_left
+                prefetch, self.fetch_ahead, self.tier_of, self.pending.group_reads_left
             )
             if prefetch
             else None

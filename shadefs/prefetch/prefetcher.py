@@ -128,7 +128,7 @@ class Prefetcher:
     ) -> None:
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
-        self._reads_left = reads_left  # a key's reads to come in the known orders, all jobs'
+        self._reads_left = reads_left  # a key's reads to come while a sweep group reads
         self.window = window
         self.max_workers = max_workers
         self.abandon_after = abandon_after
@@ -234,9 +234,7 @@ class Prefetcher:
     def hold(self, key: int, data: bytes, sig: Signature) -> bool:
         """Keep the bytes the cache refused staged for their reads to come while a sweep
         group reads (holds.py); False without such reads, or room in the window."""
-        left, plans = self._reads_left, self.plans.values()
-        reads = left(key) if left is not None and any(p.readers > 1 for p in plans) else 0
-        if reads <= 0:
+        if (reads := self._reads_left(key) if self._reads_left else 0) <= 0:
             return False
         if key not in self.staged:
             if self.staged_bytes + self._inflight_bytes + len(data) > self.window:

@@ -202,6 +202,10 @@ class PendingReads:
         sid = self.sample_of(key)
         return int(self.left[sid]) if sid >= 0 else 0
 
+    def group_reads_left(self, key: int) -> int:
+        """`reads_left` while a job of a sweep group counts its orders here, else 0."""
+        return self.reads_left(key) if self._group_of else 0
+
     def refused(self, key: int) -> None:
         """The cache refused to admit `key`: counted when a known order reads it again."""
         if self.pending(key):
