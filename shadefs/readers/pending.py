@@ -54,7 +54,7 @@ class PendingReads:
         self._mine: dict[int, np.ndarray] = {}  # job row (or _POOL) -> its counts
         self._epoch_of: dict[int, int] = {}  # job row -> the epoch its counts are of
         self._counted: dict[int, set[tuple[int, int]]] = {}  # job -> (world, rank) counted
-        # (group, epoch, share) -> [counts, copies]: the order counted for the members of
+        # (group, epoch, share) -> (counts, copies): the order counted for the members of
         # a sweep group that have not asked for it yet; and each job row's group.
         self._ahead: dict[tuple[str, int, tuple[int, int]], tuple[np.ndarray, int]] = {}
         self._group_of: dict[int, str] = {}
