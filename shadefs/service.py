@@ -338,11 +338,11 @@ class Service:
 
     async def order(self, request: OrderRequest, pid: int = 0) -> np.ndarray:
         group = self.readers.jobs.group_of(pid) if pid > 0 else ""
+        members = self.readers.jobs.members(group) if group else 1
         with _refusing():
             share = await self.sampling.order_async(
-                request, self.cache.cached_keys, group, self._job_row(pid)
+                request, self.cache.cached_keys, group, self._job_row(pid), members
             )
-        members = self.readers.jobs.members(group) if group else 1
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
         if self.prefetcher is not None:
             # The daemon now knows what this rank reads next: prefetch its misses. The

@@ -584,6 +584,6 @@ def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take
     for key in (1, 2, 3, 4, 9):
         pf.staged[key] = (b"abc", sig)
         pf.staged_bytes += 3
-    pf._takes_left[4] = 2  # a sweep group's member behind the fastest will still open 4
+    pf.holds.hold(4, 2, 0.0)  # a sweep group's member behind the fastest will still open 4
     pf.add_plan(_plan("a", [2, 3]))  # the next version of plan a reads 1 and 4 no more
     assert set(pf.staged) == {2, 3, 4, 9} and pf.wasted == 1 and pf.staged_bytes == 12

@@ -110,7 +110,11 @@ class Cache:
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
         self.prefetcher = (
-            Prefetcher.with_settings(prefetch, self.fetch_ahead, self.tier_of) if prefetch else None
+            Prefetcher.with_settings(
+                prefetch, self.fetch_ahead, self.tier_of, self.pending.group_reads_left
+            )
+            if prefetch
+            else None
         )
         self.policy = self._make_policy(policy)
         self.ssd: SsdTier | None = None
@@ -304,7 +308,9 @@ class Cache:
         victims = self.policy.admit(key, size, self.capacity - self.used)
         if victims is None:
             self.refused += 1
-            self.pending.refused(key)  # a read to come that the cache cannot bridge
+            pf = self.prefetcher  # a sweep group's members behind read it from staging
+            if pf is None or not pf.hold(key, data, sig):
+                self.pending.refused(key)  # a read to come that no tier bridges
             return
         for victim in victims:
             self._remove(victim)

@@ -56,6 +56,7 @@ cached already): this module knows nothing else of the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -67,6 +68,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.ssd_format import Signature
+from shadefs.prefetch.holds import Holds
 from shadefs.prefetch.plans import Plan
 from shadefs.stats import PrefetchStats
 
@@ -90,6 +92,7 @@ FetchAhead = Callable[
     [Sequence[tuple[int, bytes, int]]],
     Awaitable[tuple[list[tuple[bytes, Signature] | BaseException | None], float]],
 ]
+Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
 
 
 @dataclass(frozen=True)
@@ -106,20 +109,15 @@ class Prefetcher:
 
     @classmethod
     def with_settings(
-        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Callable[[int], int]
+        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Of, reads_left: Of
     ) -> Prefetcher:
-        return cls(
-            fetch_ahead,
-            tier_of,
-            window=settings.window,
-            max_workers=settings.max_workers,
-            abandon_after=settings.abandon_after,
-        )
+        return cls(fetch_ahead, tier_of, reads_left, **dataclasses.asdict(settings))
 
     def __init__(
         self,
         fetch_ahead: FetchAhead,
-        tier_of: Callable[[int], int],
+        tier_of: Of,
+        reads_left: Of | None = None,
         *,
         window: int,
         max_workers: int = 16,
@@ -127,14 +125,14 @@ class Prefetcher:
     ) -> None:
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
+        self._reads_left = reads_left  # a key's reads to come while a sweep group reads
         self.window = window
         self.max_workers = max_workers
         self.abandon_after = abandon_after
         self.plans: dict[str, Plan] = {}
         self.staged: dict[int, tuple[bytes, Signature]] = {}
         self.staged_bytes = 0
-        self._takes_left: dict[int, int] = {}  # staged key -> opens that will still take it
-        self._held_since: dict[int, float] = {}  # those keys -> when they were staged
+        self.holds = Holds()  # staged keys that a sweep group's members will still open
         self._inflight: dict[int, int] = {}  # key -> size
         self._calls = 0  # fetch calls (batches) in flight
         self._held_back = False  # the last round stopped at a full window
@@ -174,14 +172,7 @@ class Prefetcher:
                 self._wake.set()
         if key in self.staged and self._tier_of(key):
             self._unstage(key)  # kept staged for this read, and cached since: a hit
-        left = self._takes_left.get(key)
-        if left is not None:
-            # One more of a group's opens: the last one takes it out of staging.
-            if left > 1:
-                self._takes_left[key] = left - 1
-            else:
-                del self._takes_left[key]
-                self._held_since.pop(key, None)
+        self.holds.opened(key)  # one more of a group's opens: the last one releases it
 
     def planned(self, keys: np.ndarray) -> np.ndarray:
         """Which of `keys` some plan reads from its cursor on (one numpy pass per plan)."""
@@ -215,7 +206,7 @@ class Prefetcher:
         if item is None:
             return None
         data, staged_sig = item
-        if staged_sig == sig and (key in self._takes_left or self._wanted_again(key, len(data))):
+        if staged_sig == sig and (key in self.holds or self._wanted_again(key, len(data))):
             # A group's member behind the fastest will open it too, or its reader reads it
             # again soon (a replayed sample): keep it staged rather than fetch it twice.
             self.served += 1
@@ -230,6 +221,19 @@ class Prefetcher:
             return None
         self.served += 1
         return data
+
+    def hold(self, key: int, data: bytes, sig: Signature) -> bool:
+        """Keep the bytes the cache refused staged for their reads to come while a sweep
+        group reads (holds.py); False without such reads, or room in the window."""
+        if (reads := self._reads_left(key) if self._reads_left else 0) <= 0:
+            return False
+        if key not in self.staged:
+            if self.staged_bytes + self._inflight_bytes + len(data) > self.window:
+                return False
+            self.staged[key] = (data, sig)
+            self.staged_bytes += len(data)
+        self.holds.hold(key, reads, time.monotonic())
+        return True
 
     def _wanted_again(self, key: int, size: int) -> bool:
         """Whether a known order reads `key` again: within what the window covers of the
@@ -255,8 +259,7 @@ class Prefetcher:
         if key in self._replays:
             self._replays.discard(key)
             self._replay_bytes -= len(data)
-        self._takes_left.pop(key, None)
-        self._held_since.pop(key, None)
+        self.holds.release(key)
 
     # --- the fetch side -------------------------------------------------------------------
 
@@ -384,14 +387,15 @@ class Prefetcher:
             readers = most.tolist()
         now = time.monotonic()
         for (key, data, sig), n in zip(landed, readers, strict=True):
+            if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
+                n = max(n, self._reads_left(key))
             if not n or key in self.staged or self._tier_of(key):
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
             if n > 1:
-                self._takes_left[key] = n
-                self._held_since[key] = now
+                self.holds.hold(key, n, now)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -406,12 +410,7 @@ class Prefetcher:
                 ended.append(name)
         for name in ended:
             del self.plans[name]
-        old = [k for k, t in self._held_since.items() if now - t > self.abandon_after]
-        for key in old:
-            # A group member that never came for it: stop holding it for them.
-            self._takes_left.pop(key, None)
-            self._held_since.pop(key, None)
-        if ended or old:
+        if self.holds.expire(now, self.abandon_after) or ended:
             self._drop_unplanned()
 
     def _drop_unplanned(self) -> None:
@@ -423,7 +422,7 @@ class Prefetcher:
         planned = np.zeros(len(keys), dtype=bool)
         for plan in self.plans.values():
             planned |= plan.unread(keys)
-        held = self._takes_left
+        held = self.holds
         for key in keys[~planned].tolist():
             if key not in held:
                 self._unstage(key)

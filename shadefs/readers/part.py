@@ -97,13 +97,14 @@ class Readers:
 
     def expire(self, now: float) -> list[int]:
         """End the jobs idle for longer than the table's idle time; returns their rows."""
+        groups = {row: job.group for row, job in self.jobs.jobs.items()}
         gone = self.jobs.expire(now)
         for row in gone:
-            self._ended(row)
+            self._ended(row, groups.get(row, ""))
         return gone
 
-    def _ended(self, row: int) -> None:
-        self.pending.drop(row)  # what it had still to read, it reads no more
+    def _ended(self, row: int, group: str = "") -> None:
+        self.pending.ended(row, group)  # what it had still to read, it reads no more
         self.tracker.leave(row)
 
     def describe(self) -> list[JobStats]:

@@ -238,18 +238,20 @@ class Sampling:
         resident: Callable[[np.ndarray], np.ndarray],
         group: str = "",
         job: int | None = None,
+        members: int = 1,
     ) -> np.ndarray:
         """This rank's share of the epoch (sample ids); `resident(keys)` says which keys are
         cached. The members of sweep group `group` ("" for none) share one order, which
         each member reads whole. The share counts as job `job`'s reads still to come
-        (readers/pending.py; None: the node's). Builds in the caller's thread: the
-        daemon uses `order_async`."""
+        (readers/pending.py; None: the node's), and, at the group's first request of the
+        epoch, as the reads of its other `members - 1` members. Builds in the caller's
+        thread: the daemon uses `order_async`."""
         full = self._known(request, group)
         if full is None:
             params = self._params(request)
             full = builds.build(self.table.scores, resident(self.keys), params)
             self._keep(_order_key(request, group), full)
-        return self._serve(request, full, job)
+        return self._serve(request, full, job, group=group, members=members)
 
     async def order_async(
         self,
@@ -257,6 +259,7 @@ class Sampling:
         cached: Callable[[], Sequence[int] | np.ndarray],
         group: str = "",
         job: int | None = None,
+        members: int = 1,
     ) -> np.ndarray:
         """`order`, with the build over snapshots (the scores, `cached()`: every cached key,
         blocks' negative ones included, as a list or an array) in a worker thread, so that
@@ -265,12 +268,12 @@ class Sampling:
         it was built for."""
         full = self._known(request, group)
         if full is not None:
-            return await self._serve_async(request, full, job)
+            return await self._serve_async(request, full, job, group, members)
         key = _order_key(request, group)
         building = self._building.get(key)
         if building is not None:
             await building.wait()
-            return await self.order_async(request, cached, group, job)
+            return await self.order_async(request, cached, group, job, members)
         done = self._building[key] = trio.Event()
         generation = self._generation
         try:
@@ -283,7 +286,7 @@ class Sampling:
         if generation != self._generation:
             raise SamplingError("the dataset was registered anew while its order was built")
         self._keep(key, full)
-        return await self._serve_async(request, full, job)
+        return await self._serve_async(request, full, job, group, members)
 
     def _known(self, request: wire.OrderRequest, group: str) -> np.ndarray | None:
         """The epoch's order if it is built (a multi-node job's shares: the rank's share)."""
@@ -315,18 +318,27 @@ class Sampling:
         full: np.ndarray,
         job: int | None,
         sliced: tuple[np.ndarray, np.ndarray] | None = None,
+        group: str = "",
+        members: int = 1,
     ) -> np.ndarray:
-        """The rank's share of `full`, counted as `job`'s reads to come; `sliced`: the
-        share and its reads per sample, if `_serve_async` computed them."""
+        """The rank's share of `full`, counted as `job`'s reads to come (and its group's
+        other members', readers/pending.py); `sliced`: the share and its reads per
+        sample, if `_serve_async` computed them."""
         self.orders_served += 1
         if (request.epoch, request.seed, request.world_size) in self._shares:
             return full  # a multi-node share, counted when it was installed
         share, counts = sliced or (pads.rank_slice(full, request.world_size, request.rank), None)
-        self.pending.expect(request.epoch, share, job, (request.world_size, request.rank), counts)
+        ws, rank = request.world_size, request.rank
+        self.pending.expect(request.epoch, share, job, (ws, rank), counts, group, members)
         return share
 
     async def _serve_async(
-        self, request: wire.OrderRequest, full: np.ndarray, job: int | None
+        self,
+        request: wire.OrderRequest,
+        full: np.ndarray,
+        job: int | None,
+        group: str = "",
+        members: int = 1,
     ) -> np.ndarray:
         """`_serve`, with the slice and its bincount (over an epoch) in a worker thread."""
         generation, n = self._generation, len(self.pending.left)
@@ -335,7 +347,7 @@ class Sampling:
             sliced = await trio.to_thread.run_sync(builds.share_of, full, ws, rank, n)
             if generation != self._generation:
                 raise SamplingError("the dataset was registered anew while its order was served")
-            return self._serve(request, full, job, sliced)
+            return self._serve(request, full, job, sliced, group, members)
         return self._serve(request, full, job)
 
     def install(self, msg: NodeOrder) -> np.ndarray:

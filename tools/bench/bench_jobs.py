@@ -17,9 +17,9 @@ Like real jobs, each records a per-sample loss for every batch (its own random l
 different hyperparameters give). `--stagger S` starts member i S*i seconds after the first;
 `--pace MS` makes every member sleep MS ms per batch (its training step), and `--spread F`
 makes member i's step MS*(1+F*i) (members at different speeds). The stagger and the drift
-must stay within what the cache can bridge (the files read between the first member and
-the last must fit), or the members refetch what the others read: stats.json `groups` says
-how far apart they are.
+must stay within what the cache and the prefetch window can bridge (the files read between
+the first member and the last must fit), or the members refetch what the others read:
+stats.json `sampler.unbridged` counts the refused files that no tier held for them.
 
 Part `e2e` is in bench_jobs_e2e.py.
 
@@ -174,7 +174,8 @@ def group_once(
 ) -> None:
     fetched: dict[int, Any] = {}
     for jobs in (1, args.jobs):
-        with mounted(src, tmp / f"mnt-g{policy}{jobs}", "--ram", str(ram), "--policy", policy) as m:
+        opts = ["--ram", str(ram), "--policy", policy, *args.shadefs_args]
+        with mounted(src, tmp / f"mnt-g{policy}{jobs}", *opts) as m:
             gates = tmp / f"gates{policy}{jobs}"
             gates.mkdir()
             procs = []
@@ -188,9 +189,12 @@ def group_once(
                 time.sleep(0.05)
             (gates / "go").touch()
             t0 = time.monotonic()
-            for p in procs:
-                if p.wait() != 0:
-                    raise SystemExit(f"a sampler job failed with {p.returncode}")
+            staged = 0  # the most bytes staged at once (prefetched, or held for members)
+            while any(p.poll() is None for p in procs):
+                staged = max(staged, int(stats(m).get("prefetch", {}).get("staged_bytes", 0)))
+                time.sleep(0.2)
+            if any(p.returncode != 0 for p in procs):
+                raise SystemExit("a sampler job failed")
             took = time.monotonic() - t0
             s = stats(m)
         fetched[jobs] = s["bytes_from_source"]
@@ -208,7 +212,7 @@ def group_once(
         print(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
             f"{took:.1f} s, unbridged {s['sampler'].get('unbridged')}, "
-            f"hit ratio {s['hit_ratio']:.3f}"
+            f"hit ratio {s['hit_ratio']:.3f}, staged at most {staged / 1e6:.1f} MB"
         )
     print(f"{args.jobs} jobs / 1 job: source bytes {fetched[args.jobs] / fetched[1]:.2f}x")
 
@@ -238,6 +242,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument(
+        "--shadefs-args", nargs="+", default=[], metavar="ARG",
+        help="more mount options of the group part, e.g. --shadefs-args=--prefetch-window=4M",
+    )  # fmt: skip
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp_name:
         tmp = Path(tmp_name)

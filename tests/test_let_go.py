@@ -1,0 +1,52 @@
+"""A file the RAM tier lets go while another job still reads it this epoch is staged for that
+job, not fetched again: several jobs in their own orders evict each other's files."""
+
+from __future__ import annotations
+
+import trio
+
+from tests.test_prefetch import _CountingSource
+from tests.test_speculate import SIZE, FakeListing, _cache, _listings
+
+# Two readers' pids that no process has (a live one would resolve to its job's root).
+_A, _B = 4_190_001, 4_190_002
+
+
+async def _open(cache, source, key: int, pid: int) -> None:
+    data = await cache.open(key, b"p%d" % key, source.stat(key), pid)
+    assert data is not None
+    cache.unpin(data)
+
+
+def test_an_evicted_file_another_job_still_reads_is_staged_for_it() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0)
+        keys = list(range(1, 13))
+        cache = _cache(source, _listings(FakeListing(b"d", [*keys, 50])), 20 * SIZE)
+        pf = cache.prefetcher
+        assert pf is not None
+        await _open(cache, source, 50, pid=_B)  # job B joins: it will read every file
+        for key in keys:  # job A reads 12 files into a cache of 8: 4 or more evicted
+            await _open(cache, source, key, pid=_A)
+        assert cache.evictions + cache.refused >= 4 and pf.kept == cache.evictions + cache.refused
+        assert len(source.fetches) == 13
+        for key in keys:  # B reads them too: from RAM or from staging, never the source
+            await _open(cache, source, key, pid=_B)
+        assert len(source.fetches) == 13 and pf.served == pf.kept
+        assert not pf.staged and pf.staged_bytes == 0  # each held for its one reader
+
+    trio.run(run)
+
+
+def test_a_file_no_other_job_reads_is_let_go() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0)
+        keys = list(range(1, 13))
+        cache = _cache(source, _listings(FakeListing(b"d", keys)), 20 * SIZE)
+        pf = cache.prefetcher
+        assert pf is not None
+        for key in keys:  # one job: what it evicts it has read this epoch
+            await _open(cache, source, key, pid=_A)
+        assert cache.evictions + cache.refused >= 4 and pf.kept == 0 and not pf.staged
+
+    trio.run(run)
