@@ -134,7 +134,7 @@ def test_a_groups_prefetched_replay_stays_staged_for_every_read() -> None:
         plan.readers = 2
         pf.add_plan(plan)
         pf._inflight[1] = 3  # as the scheduler does before it starts a fetch
-        await pf._fetch([(1, b"p1", 3)])
+        await pf._fetch([(1, b"p1", 3)], [(plan, 0)])
         for _ in range(4):
             pf.observe(1)
             assert pf.take(1, sig) == b"abc"  # served from staging, every time
