@@ -8,10 +8,11 @@ at 256k entries (issue 20 wants `loop_lag_max_ms` <= 50 at 1.28 M samples).
 
 Here every structure per entry is a numpy column over dense ids or an `array('q')` log:
 
-- `rank[id]`: the rank of the id's bucket + 1 (0: not resident, so that a grown column is
-  calloc's zeros whose pages are touched only when written; filling three columns of 2 M
-  ids with -1 held the loop 50 ms); `pos[id]`: the id's index in its bucket's log;
-  `born[id]`: its index in the residency log;
+- `rank[id]`: the rank of the id's bucket + 1 (0: not resident); `pos[id]`: the id's
+  index in its bucket's log; `born[id]`: its index in the residency log. The columns grow
+  to the tracker's capacity at once, over anonymous memory mapped zero pages that are only
+  touched when written (filling three columns of 2 M ids with -1, or calloc reusing freed
+  heap memory and clearing it, held the loop 17-50 ms);
 - per rank, a log of ids in the order they joined the bucket; one log of ids in the
   order they became resident. A log is appended to, and an entry that dies (its id moved
   to another bucket, or was removed) is overwritten with -1 in place.
@@ -28,6 +29,7 @@ sort over small ints): every bucket afresh, oldest first, and no per-entry Pytho
 from __future__ import annotations
 
 import logging
+import mmap
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import pairwise
@@ -39,8 +41,17 @@ log = logging.getLogger(__name__)
 # Compact once the logs hold this many entries more than twice the live ones (a live id
 # has one entry in its bucket's log and one in the residency log).
 _SLACK = 1 << 13
+_MAPPED = 1 << 16  # ids from which a column lives in its own memory mapping
 
 Ranker = Callable[[np.ndarray], np.ndarray]  # ids -> their ranks (ints >= 0)
+
+
+def _zeros(n: int) -> np.ndarray:
+    """A zeroed int64 column of `n`: large ones over fresh anonymous pages (zero until
+    written, never cleared by hand), which the array keeps mapped while it lives."""
+    if n < _MAPPED:
+        return np.zeros(n, dtype=np.int64)
+    return np.frombuffer(mmap.mmap(-1, n * 8), dtype=np.int64)
 
 
 def _log_of(ids: np.ndarray) -> array[int]:
@@ -61,9 +72,9 @@ class RankBuckets:
     """Ids in buckets by rank, oldest first within one; the lowest rank walked first."""
 
     def __init__(self) -> None:
-        self._rankv = np.zeros(64, dtype=np.int64)  # rank + 1 (0: not resident)
-        self._posv = np.zeros(64, dtype=np.int64)
-        self._bornv = np.zeros(64, dtype=np.int64)
+        self._rankv = _zeros(64)  # rank + 1 (0: not resident)
+        self._posv = _zeros(64)
+        self._bornv = _zeros(64)
         self._views()
         self._born: array[int] = array("q")  # ids in the order they became resident
         self._logs: dict[int, array[int]] = {}  # rank -> ids in the order they joined it
@@ -86,7 +97,7 @@ class RankBuckets:
             return
         cap = max(ids, 2 * old)
         for name in ("_rankv", "_posv", "_bornv"):
-            new = np.zeros(cap, dtype=np.int64)
+            new = _zeros(cap)
             new[:old] = getattr(self, name)
             setattr(self, name, new)
         self._views()

@@ -83,6 +83,7 @@ class EpochPolicy(Policy):
         self._fresh()
         t = self.tracker
         i = t.id(key)
+        self._buckets.reserve(len(t.keys))  # at once: see buckets.py
         self._buckets.place(i, t.rank(i))
 
     def restored(self, key: int, size: int) -> None:
