@@ -32,7 +32,6 @@ import logging
 import mmap
 from array import array
 from collections.abc import Callable, Iterator
-from itertools import pairwise
 
 import numpy as np
 
@@ -195,13 +194,14 @@ class RankBuckets:
         # Split by rank, the oldest first within one: a stable sort (radix on int16).
         small = int(rank.max()) < (1 << 15)
         order = np.argsort(rank.astype(np.int16) if small else rank, kind="stable")
-        ids, rank = ids[order], rank[order]
-        starts = np.flatnonzero(np.diff(rank)) + 1
-        # At each bucket's first index the length of the bucket before: summed, where
-        # each id's bucket starts.
-        firsts = np.zeros(len(ids), dtype=np.int64)
-        firsts[starts] = np.diff(starts, prepend=0)
-        self._posv[ids] = np.arange(len(ids)) - np.cumsum(firsts)
-        bounds = [0, *starts.tolist(), len(ids)]
-        self._logs = {int(rank[a]): _log_of(ids[a:b]) for a, b in pairwise(bounds)}
+        ids = ids[order]
+        counts = np.bincount(rank)
+        ranks = np.flatnonzero(counts)  # a handful: (jobs + 1) ** 2 at most
+        ends = np.cumsum(counts[ranks]).tolist()
+        start = 0
+        for r, end in zip(ranks.tolist(), ends, strict=True):
+            bucket = ids[start:end]
+            self._posv[bucket] = np.arange(end - start)
+            self._logs[r] = _log_of(bucket)
+            start = end
         self._heads = dict.fromkeys(self._logs, 0)
