@@ -6,9 +6,8 @@ its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier
 `SamplerStats`), the service assembles them into one `Stats`: `to_json()` is `stats.json`
 (stable keys), `render_text()` the `stats` file; `ops.prom` and `ops.watch` read it too.
 
-This module imports no part (the parts import it), so the data flows one way. The hot path
-only increments plain int attributes of `Metrics` (no locks: all runs in the trio thread).
-"""
+It imports no part (the parts import it): the data flows one way. The hot path only
+increments plain int attributes of `Metrics` (no locks: all runs in the trio thread)."""
 
 from __future__ import annotations
 
@@ -232,6 +231,7 @@ class PrefetchStats:
     window: int
     plans_done: int
     plans_abandoned: int
+    kept: int = 0  # files the RAM tier let go that other jobs still read, staged for them
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)

@@ -129,6 +129,7 @@ def full(**top: Any) -> Stats:
             window=1 << 20,
             plans_done=3,
             plans_abandoned=1,
+            kept=6,
         ),
         jobs=(JobStats("pid:4242", "sweep", 3, 12, 4, 160000, 1.5, 1.7e9),),
         blocks=BlockStats(

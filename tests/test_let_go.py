@@ -25,7 +25,8 @@ def test_an_evicted_file_another_job_still_reads_is_staged_for_it() -> None:
         cache = _cache(source, _listings(FakeListing(b"d", [*keys, 50])), 20 * SIZE)
         pf = cache.prefetcher
         assert pf is not None
-        await _open(cache, source, 50, pid=_B)  # job B joins: it will read every file
+        await _open(cache, source, 50, pid=_B)  # job B joins
+        cache.readers.tracker.settle()  # its directory joins its universe: every file
         for key in keys:  # job A reads 12 files into a cache of 8: 4 or more evicted
             await _open(cache, source, key, pid=_A)
         assert cache.evictions + cache.refused >= 4 and pf.kept == cache.evictions + cache.refused

@@ -171,7 +171,7 @@ class Cache:
         reader = self.readers.read(key, pid)  # before the policies hear of the read
         job = reader.row
         ssd, prefetcher = self.ssd, self.prefetcher
-        if prefetcher is not None and prefetcher.plans:
+        if prefetcher is not None and (prefetcher.plans or prefetcher.holds.left):
             prefetcher.observe(key)
         entry = self.entries.get(key)
         if entry is not None:
@@ -308,13 +308,14 @@ class Cache:
         victims = self.policy.admit(key, size, self.capacity - self.used)
         if victims is None:
             self.refused += 1
-            pf = self.prefetcher  # a sweep group's members behind read it from staging
-            if pf is None or not pf.hold(key, data, sig):
+            if not self._let_go(key, data, sig):
                 self.pending.refused(key)  # a read to come that no tier bridges
             return
         for victim in victims:
+            gone = self.entries[victim]
             self._remove(victim)
             self.evictions += 1
+            self._let_go(victim, gone.data, gone.sig)
         if self.used + size > self.capacity:
             # A policy bug must not break the budget: refuse rather than overshoot.
             log.error("policy %s returned too few victims; refusing", self.policy.name)
@@ -325,6 +326,17 @@ class Cache:
         self.admitted += 1
         self.policy.inserted(key, size)
         self.handles.admitted(data)
+
+    def _let_go(self, key: int, data: bytes, sig: Signature) -> bool:
+        """A file the RAM tier refuses or evicts while reads of it are still to come: a
+        sweep group's members behind, or other jobs in their own orders (with several, a
+        file cached when a job's speculative plan was made is often evicted before that
+        job reads it). Staged for them within the prefetch window, not fetched again; not
+        with the SSD tier holding it. Whether it was staged."""
+        pf, ssd = self.prefetcher, self.ssd
+        if pf is None or key < 0 or (ssd is not None and key in ssd.index):
+            return False
+        return pf.hold(key, data, sig, self.readers.tracker.wanted(key))
 
     def _remove(self, key: int) -> None:
         """Drop a resident entry (also a block of a file that changed)."""

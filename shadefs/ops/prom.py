@@ -194,6 +194,7 @@ METRICS: tuple[Sample, ...] = (
     _g("prefetch.window", "prefetch_window", "Bytes the prefetcher may stage ahead"),
     _c("prefetch.plans_done", "prefetch_plans_done", "Prefetch plans followed to the end"),
     _c("prefetch.plans_abandoned", "prefetch_plans_abandoned", "Plans whose reader stopped"),
+    _c("prefetch.kept", "prefetch_kept", "Files let go by RAM, staged for jobs still to read"),
     _g("sampler.samples", "sampler_samples", "Samples in the registered dataset"),
     _g("sampler.epoch", "sampler_epoch", "Epoch the training job reported last"),
     _g("sampler.replay", "sampler_replay", "Replay factor r of the PADS order"),

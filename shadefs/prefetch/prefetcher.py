@@ -1,17 +1,14 @@
 """Clairvoyant prefetching: fetch the upcoming misses of a known order before they are read.
 
 Once the daemon knows the future, a miss should cost bandwidth but not a stall (NoPFS). The
-future comes from *plans*: the share of an epoch's PADS order that a rank read back, or a
-list of paths a job wrote to `.shadefs/plan` (for jobs with their own sampler). A plan is a
-sequence of cache keys. The reader's position in it (its cursor) is inferred by matching
-every open against the plan, so no cooperation from the reading processes is needed, and
-DataLoader workers that read slightly out of order are tolerated.
+future comes from *plans* (prefetch/plans.py): a rank's share of an epoch's PADS order, a
+job's `.shadefs/plan`, or speculation's guess. The reader's position in a plan is inferred
+from its opens, so the reading processes need not cooperate.
 
 Prefetched files go into a *staging buffer*, bounded in bytes by the lookahead window and
-separate from the cache budget (NoPFS's staging class). Prefetching therefore never evicts
-anything from the cache tiers. When the reader opens a staged file it is served from
-staging, and the cache's policy then decides, as for any miss, whether it stays. The
-Belady policy (policy.py) uses `next_use` to evict by furthest next use.
+separate from the cache budget (NoPFS's staging class): prefetching never evicts anything.
+A reader that opens a staged file is served from staging, and the cache's policy decides,
+as for any miss, whether it stays. The Belady policy uses `next_use`.
 
 Scheduling (Lobster):
 
@@ -29,13 +26,11 @@ Scheduling (Lobster):
   staged if the plan it was taken for still reads it at that position, or another plan
   reads it (one numpy pass per plan, run only when there are several).
 
-A sweep group's plan has several readers (`Plan.readers`, its members, which read one
-order each at their own pace; the cursor follows the fastest). A file staged for it stays
-staged until that many opens of it (from any tier) have been seen, so that the members
-behind the fastest find it even when the RAM policy did not keep it; it counts against the
-window, which bounds how far the members may drift apart before the slowest misses again,
-and it outlives the plan's end (the fastest member's next epoch) by at most `abandon_after`
-seconds.
+A sweep group's plan has several readers (`Plan.readers`: members reading one order at
+their own paces; the cursor follows the fastest). A file staged for it stays staged until
+that many opens of it have been seen, so members behind the fastest find it even when the
+RAM policy did not keep it; the window bounds how far they may drift apart, and such a
+file outlives the plan's end by at most `abandon_after` seconds.
 
 Every byte fetched once: an entry its reader already opened is never fetched, a reader
 that opens a file being prefetched joins that flight, and a file a known order replays
@@ -44,14 +39,15 @@ such replays hold at most a quarter of the window). A speculative plan
 (prefetch/speculate.py) is staged like any other, but the policies' `planned` and
 `next_use` ignore it: it is a guess.
 
-A plan ends when its reader reaches the end, when it is replaced (the next epoch's order),
-or when it is abandoned (no progress for `abandon_after` seconds). Its staged leftovers are
-then dropped and counted as wasted. `start` runs the scheduler in the nursery it is handed
-(the daemon's), so it stops with it at unmount.
+A file the RAM tier evicts or refuses that other jobs still open this epoch is staged for
+them (`hold`, held for that many opens, as a group's file): with several jobs in their own
+orders, a file cached when a speculative plan was made is often evicted before its job
+reads it. A plan ends when its reader reaches the end, when it is replaced, or when it is
+abandoned (no progress for `abandon_after` s); its staged leftovers are then dropped
+(wasted). `start` runs the scheduler in the daemon's nursery: it stops at unmount.
 
-The cache owns the prefetcher and hands it two callables at construction, `fetch_ahead` (a
-fetch that shares single-flight with readers and admits nothing) and `tier_of` (is a key
-cached already): this module knows nothing else of the cache.
+The cache hands it two callables, `fetch_ahead` (a fetch that shares single flight with
+readers and admits nothing) and `tier_of` (is a key cached): it knows nothing else of it.
 """
 
 from __future__ import annotations
@@ -88,10 +84,8 @@ _BATCH_BYTES = 4 << 20
 # The cache's fetch for the prefetcher, of (key, path, size) items in one source call: per
 # item (bytes, signature), its error, or None when a reader is already fetching the file
 # (the reader will cache it); and the source's seconds per file.
-FetchAhead = Callable[
-    [Sequence[tuple[int, bytes, int]]],
-    Awaitable[tuple[list[tuple[bytes, Signature] | BaseException | None], float]],
-]
+_Got = tuple[bytes, Signature] | BaseException | None
+FetchAhead = Callable[[Sequence[_Item]], Awaitable[tuple[list[_Got], float]]]
 Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
 
 
@@ -143,7 +137,7 @@ class Prefetcher:
         self.latency = 0.01  # seconds per fetch call, EWMA
         self.file_seconds = 0.0005  # the source's own seconds per file, EWMA
         self.fetched = self.fetched_bytes = self.served = self.wasted = 0  # counters
-        self.errors = self.skipped = self.plans_done = self.plans_abandoned = 0
+        self.errors = self.skipped = self.plans_done = self.plans_abandoned = self.kept = 0
 
     # --- plans --------------------------------------------------------------------------
 
@@ -222,16 +216,18 @@ class Prefetcher:
         self.served += 1
         return data
 
-    def hold(self, key: int, data: bytes, sig: Signature) -> bool:
-        """Keep the bytes the cache refused staged for their reads to come while a sweep
-        group reads (holds.py); False without such reads, or room in the window."""
-        if (reads := self._reads_left(key) if self._reads_left else 0) <= 0:
+    def hold(self, key: int, data: bytes, sig: Signature, wanted: int = 0) -> bool:
+        """Keep bytes the cache let go staged for their reads to come (holds.py): a sweep
+        group's, or `wanted` other jobs' this epoch; False without any, or window room."""
+        reads = max(self._reads_left(key) if self._reads_left else 0, wanted)
+        if reads <= 0:
             return False
         if key not in self.staged:
             if self.staged_bytes + self._inflight_bytes + len(data) > self.window:
                 return False
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
+            self.kept += 1
         self.holds.hold(key, reads, time.monotonic())
         return True
 
@@ -446,4 +442,5 @@ class Prefetcher:
             window=self.window,
             plans_done=self.plans_done,
             plans_abandoned=self.plans_abandoned,
+            kept=self.kept,
         )

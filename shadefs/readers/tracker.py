@@ -339,6 +339,15 @@ class Tracker:
 
     # --- what is left to read -------------------------------------------------------------
 
+    def wanted(self, key: int) -> int:
+        """How many active jobs have `key` in their universe and not read this epoch: the
+        reads of it still to come, as far as the tracker knows (O(jobs))."""
+        i = self.id_of.get(key)
+        if i is None:
+            return 0
+        u, last, epoch = self._universe, self._last, self.epoch
+        return sum(1 for r in self.active if u[r][i] and last[r][i] < epoch[r])
+
     def rank(self, i: int) -> int:
         """The eviction rank of id `i` now: by the jobs that want it, then by those that
         consumed it (they read it next epoch); lower ranks go first."""
