@@ -165,21 +165,13 @@ class Cache:
         `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
         sig = Signature.of(st)
         reader = self.readers.read(key, pid)  # before the policies hear of the read
-        job = reader.row
-        ssd, prefetcher = self.ssd, self.prefetcher
+        prefetcher = self.prefetcher
         if prefetcher is not None and prefetcher.plans:
             prefetcher.observe(key)
         entry = self.entries.get(key)
         if entry is not None:
             if entry.sig == sig and entry.where == hash(path):
-                self.metrics.hits += 1
-                self.ram_hits += 1
-                self.policy.accessed(key, True, job)
-                if ssd is not None:
-                    ssd.policy.accessed(key, key in ssd.index, job)
-                reader.hits += 1
-                reader.bytes += st.st_size
-                self.handles.pin(entry.data, True)
+                self._hit(key, entry, reader)
                 return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
@@ -187,6 +179,29 @@ class Cache:
         if type(got) is Entry:  # a Deferred is pinned when its first read fetches
             self._pin(key, got)
         return got
+
+    def hit(self, key: int, entry: Entry, pid: int) -> None:
+        """An open of `key` by reader `pid` that the caller found `entry` (resident) to
+        serve: what `open_entry` does on a RAM hit, without checking it again (the data
+        path's verified reopen, fs/operations.py)."""
+        reader = self.readers.read(key, pid)
+        prefetcher = self.prefetcher
+        if prefetcher is not None and prefetcher.plans:
+            prefetcher.observe(key)
+        self._hit(key, entry, reader)
+
+    def _hit(self, key: int, entry: Entry, reader: Job) -> None:
+        """Count a RAM hit, tell both tiers' policies of it, and pin its bytes."""
+        self.metrics.hits += 1
+        self.ram_hits += 1
+        job = reader.row
+        self.policy.accessed(key, True, job)
+        ssd = self.ssd
+        if ssd is not None:
+            ssd.policy.accessed(key, key in ssd.index, job)
+        reader.hits += 1
+        reader.bytes += entry.sig.size
+        self.handles.pin(entry.data, True)
 
     def _pin(self, key: int, got: Entry) -> None:
         entry = self.entries.get(key)

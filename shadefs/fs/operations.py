@@ -30,7 +30,7 @@ import trio
 from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
-from shadefs.cache.coordinator import Cache
+from shadefs.cache.coordinator import Cache, Entry
 from shadefs.cache.extents import advise
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature, StatLike
@@ -121,6 +121,8 @@ class Operations(ReadOnly):
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
+        self._kernel = cache.handles.kernel
+        self._verified = ns.verified  # the hit path's records (fs/opened.py)
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -212,6 +214,28 @@ class Operations(ReadOnly):
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
+        # The hit path: a reopen of a file that an open verified in RAM since its node last
+        # changed (fs/opened.py). The entry must still be the one verified, the node's check
+        # not due, its pages not `unsure`, and it must still be RAM's to serve (not blocks').
+        rec = self._verified.get(inode)
+        if rec is not None and not flags & _WRITE_FLAGS:
+            cache = self.cache
+            entry = cache.entries.get(inode)
+            if (
+                entry is not None
+                and entry.sig == rec[0]
+                and entry.where == rec[1]
+                and time.monotonic() - rec[2] < self.ns.revalidate
+                and inode not in self.ns.unsure
+                and entry.sig.size <= cache.ram_max
+            ):
+                self._kernel.opened(inode)  # (a hit: never deferred, so no probe counted)
+                cache.hit(inode, entry, ctx.pid)
+                fh = self._next_fh
+                self._next_fh = fh + 1
+                self._inode_of[fh] = inode
+                self._mem[fh] = memoryview(entry.data)  # unpinned at release
+                return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         # Source descriptors this open takes count against the opener (source.py).
         token = OPENER.set(ctx.uid)
         try:
@@ -227,6 +251,7 @@ class Operations(ReadOnly):
         if flags & _WRITE_FLAGS:
             raise erofs()
         st, path, checked = self.ns.opening(inode)
+        changes = self.ns.changes  # whether a node changed while this open awaited
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         if time.monotonic() - checked >= self.ns.revalidate:
@@ -272,9 +297,24 @@ class Operations(ReadOnly):
         else:  # it changed again: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
-        if inode not in self.ns.unsure:  # the hit path: the kernel's pages are this version
+        if inode not in self.ns.unsure:  # the kernel's pages are this version
+            resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
+            if resident is not None and resident.data is entry.data and changes == self.ns.changes:
+                self._verify(inode, resident, st, path, checked)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
+
+    def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
+        """Keep for the node's reopens that its resident `entry` is its version (`st`, found
+        at `path`, checked at `checked`): the hit path in `open` then checks only that the
+        entry is still the same. Emptied when it outgrows the RAM tier (stale ones stay
+        until then: an evicted entry's signature and a few numbers)."""
+        if entry.sig != Signature.of(st) or entry.where != hash(path):
+            return  # (read through another path or version: the cache decides each open)
+        verified = self._verified
+        if len(verified) >= 2 * len(self.cache.entries) + 4096:
+            verified.clear()
+        verified[inode] = (entry.sig, entry.where, checked)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
         fd, now = await self.source.open_file(path)
