@@ -57,9 +57,11 @@ async def test_an_evicted_entry_is_fetched_again_by_the_full_path(tmp_path: Path
     ino = await lookup_path(ops, "d/f")
     await _open_read_release(ops, ino)
     assert await svc.cache.evict(ino)
+    assert ino not in svc.namespace.verified  # the record left with its entry
     misses = svc.metrics.misses
     assert await _open_read_release(ops, ino) == b"abc"
-    assert svc.metrics.misses == misses + 1
+    assert svc.metrics.misses == misses + 1  # (deferred: the kernel may hold its pages)
+    assert await _open_read_release(ops, ino) == b"abc"
     assert ino in svc.cache.entries and ino in svc.namespace.verified
 
 
@@ -75,7 +77,7 @@ async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path
     assert await _open_read_release(ops, ino) == b"changed"  # the check was due
     assert ino not in svc.namespace.verified  # (its pages were unsure: dropped at that open)
     assert await _open_read_release(ops, ino) == b"changed"
-    assert svc.namespace.verified[ino][0].size == 7
+    assert svc.namespace.verified[ino][0].sig.size == 7
 
 
 async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> None:
@@ -83,11 +85,15 @@ async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> No
     ops, svc = make_fs(src)
     ns = svc.namespace
     f, g = await lookup_path(ops, "d/f"), await lookup_path(ops, "d/g")
+    await lookup_path(ops, "d/g")  # a second reference: one forget leaves the node
     for ino in (f, g):
         await _open_read_release(ops, ino)
     changes = ns.changes
     await ops.forget([(f, 1)])
     assert f not in ns.verified and g in ns.verified and ns.changes > changes
+    await ops.forget([(g, 1)])  # (the kernel still holds one: its pages may be gone)
+    assert g not in ns.verified and g in ns.table
+    await _open_read_release(ops, g)
     await ns.fresh_stat(g, force=True)  # unchanged: the record stays true
     assert g in ns.verified
     (src / "d" / "g").write_bytes(b"22")
@@ -105,14 +111,3 @@ async def test_a_write_open_of_a_verified_file_is_refused(tmp_path: Path) -> Non
     with pytest.raises(pyfuse3.FUSEError) as exc:
         await ops.open(ino, os.O_WRONLY, CTX)
     assert exc.value.errno == errno.EROFS
-
-
-async def test_the_records_are_emptied_when_they_outgrow_the_ram_tier(tmp_path: Path) -> None:
-    src = make_tree(tmp_path / "src", {"d/f": b"1"})
-    ops, svc = make_fs(src)
-    ns = svc.namespace
-    ino = await lookup_path(ops, "d/f")
-    for k in range(5000):  # stale records of files long evicted
-        ns.verified[(1 << 40) + k] = ns.verified.get(ino, (None, 0, 0.0))  # type: ignore[assignment]
-    await _open_read_release(ops, ino)
-    assert list(ns.verified) == [ino]

@@ -97,6 +97,9 @@ class Cache:
         self.readers = readers if readers is not None else Readers()
         self.pending = self.readers.pending
         self.entries: dict[int, Entry] = {}
+        # Entries that an open found to be their node's version, with the node's check
+        # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
+        self.reopens: dict[int, tuple[Entry, float]] = {}
         self.used = 0
         self.admitted = 0
         self.evictions = 0
@@ -338,6 +341,7 @@ class Cache:
     def _remove(self, key: int) -> None:
         """Drop a resident entry (also a block of a file that changed)."""
         entry = self.entries.pop(key)
+        self.reopens.pop(key, None)
         self.used -= len(entry.data)
         self.policy.removed(key)
         self.handles.evicted(entry.data)

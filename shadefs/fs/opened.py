@@ -8,12 +8,11 @@ forgets it, so what either holds is still true of the node:
 
 - `_opened`: the stat and path of the files opened last, at most `OPENED_KEPT` (cleared as
   a whole when full: a dataset larger than that rebuilds them at most opens).
-- `verified`: per node, the signature and path hash that the data path found its RAM entry
-  to match at an open, and the check time of the row then (operations.py, `_reopen`). A
-  reopen that finds a resident entry with that same signature and path hash, before the
-  check is due, is a hit without the namespace: one dict lookup. One small tuple per file
-  that was a hit (its signature is the entry's own object); the data path empties it when
-  it outgrows the RAM tier's entries.
+- `verified`: per node, the RAM entry that an open found to be the node's version by its
+  current path, and the row's check time then (operations.py, `_verify`). A reopen that
+  finds one before the check is due is a hit without the namespace: one dict lookup. The
+  dict is the cache's `reopens` (the RAM tier drops a record with its entry), so it holds
+  a small tuple per resident file at most.
 
 `changes` counts the drops: an open that awaited (a fetch, a check at the source) records
 what it verified only if no node changed meanwhile.
@@ -22,17 +21,14 @@ what it verified only if no node changed meanwhile.
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 import pyfuse3
 
-from shadefs.cache.ssd_format import Signature
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat
 
 OPENED_KEPT = 4096
 _ROW = 0xFFFFFFFF
-
-#: a verified reopen: (the entry's signature, hash() of the node's path, the row's check time)
-Verified = tuple[Signature, int, float]
 
 
 class OpenRecords:
@@ -43,7 +39,8 @@ class OpenRecords:
 
     def _init_records(self) -> None:
         self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
-        self.verified: dict[int, Verified] = {}
+        # (the data path shares the cache's here: operations.py; entries are its business)
+        self.verified: dict[int, Any] = {}
         self.changes = 0
 
     def _changed(self, ino: int) -> None:

@@ -58,11 +58,15 @@ _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _guarded(
+    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | None] | None = None
+) -> Callable[..., Awaitable[T]]:
     """Turn a bug in a handler into EIO plus a logged traceback.
 
     pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
     the whole mount down, which for a training job is far worse than one failed read.
+    `hit`: the handler's synchronous hit path (`_hit_<name>`), tried first, so that a hit
+    costs no coroutine beyond this one; None from it: the handler answers.
     """
 
     name = fn.__name__
@@ -72,6 +76,10 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         counts = self.metrics.requests  # stats.json `requests`: requests per sample
         counts[name] = counts.get(name, 0) + 1
         try:
+            if hit is not None:
+                got = hit(self, *args)
+                if got is not None:
+                    return got
             return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):
             raise
@@ -85,7 +93,7 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
     for name, fn in {**vars(ReadOnly), **vars(cls)}.items():
         if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
-            setattr(cls, name, _guarded(fn))
+            setattr(cls, name, _guarded(fn, vars(cls).get(f"_hit_{name}")))
     return cls
 
 
@@ -121,8 +129,9 @@ class Operations(ReadOnly):
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
-        self._kernel = cache.handles.kernel
-        self._verified = ns.verified  # the hit path's records (fs/opened.py)
+        # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
+        self._verified = ns.verified = cache.reopens
+        self._unpin = cache.handles.unpin
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -138,6 +147,8 @@ class Operations(ReadOnly):
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
+        for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
+            self._verified.pop(ino, None)
 
     async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
@@ -211,31 +222,36 @@ class Operations(ReadOnly):
 
     # --- data -------------------------------------------------------------------------
 
+    def _hit_open(
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo | None:
+        """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
+        an open verified since its node last changed (fs/opened.py; an evicted entry's
+        record goes with it). The node's check must not be due, its pages not `unsure`, and
+        the file still RAM's to serve (not blocks', after a budget shrank). None: `open`."""
+        rec = self._verified.get(inode)
+        if rec is None or flags & _WRITE_FLAGS:
+            return None
+        entry, checked = rec
+        cache = self.cache
+        if (
+            time.monotonic() - checked >= self.ns.revalidate
+            or inode in self.ns.unsure
+            or entry.sig.size > cache.ram_max
+        ):
+            return None
+        # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
+        # verified, and a forget since would have dropped the record.)
+        cache.hit(inode, entry, ctx.pid)
+        fh = self._next_fh
+        self._next_fh = fh + 1
+        self._inode_of[fh] = inode
+        self._mem[fh] = memoryview(entry.data)  # unpinned at release
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
-        # The hit path: a reopen of a file that an open verified in RAM since its node last
-        # changed (fs/opened.py). The entry must still be the one verified, the node's check
-        # not due, its pages not `unsure`, and it must still be RAM's to serve (not blocks').
-        rec = self._verified.get(inode)
-        if rec is not None and not flags & _WRITE_FLAGS:
-            cache = self.cache
-            entry = cache.entries.get(inode)
-            if (
-                entry is not None
-                and entry.sig == rec[0]
-                and entry.where == rec[1]
-                and time.monotonic() - rec[2] < self.ns.revalidate
-                and inode not in self.ns.unsure
-                and entry.sig.size <= cache.ram_max
-            ):
-                self._kernel.opened(inode)  # (a hit: never deferred, so no probe counted)
-                cache.hit(inode, entry, ctx.pid)
-                fh = self._next_fh
-                self._next_fh = fh + 1
-                self._inode_of[fh] = inode
-                self._mem[fh] = memoryview(entry.data)  # unpinned at release
-                return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         # Source descriptors this open takes count against the opener (source.py).
         token = OPENER.set(ctx.uid)
         try:
@@ -306,15 +322,11 @@ class Operations(ReadOnly):
 
     def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
-        at `path`, checked at `checked`): the hit path in `open` then checks only that the
-        entry is still the same. Emptied when it outgrows the RAM tier (stale ones stay
-        until then: an evicted entry's signature and a few numbers)."""
-        if entry.sig != Signature.of(st) or entry.where != hash(path):
-            return  # (read through another path or version: the cache decides each open)
-        verified = self._verified
-        if len(verified) >= 2 * len(self.cache.entries) + 4096:
-            verified.clear()
-        verified[inode] = (entry.sig, entry.where, checked)
+        at `path`, checked at `checked`): the hit path in `open` serves it while the record
+        lasts (the namespace drops it when the node changes, the cache with the entry)."""
+        if entry.sig == Signature.of(st) and entry.where == hash(path):
+            self._verified[inode] = (entry, checked)
+        # (else read through another path or version: the cache decides at each open)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
         fd, now = await self.source.open_file(path)
@@ -390,7 +402,7 @@ class Operations(ReadOnly):
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
-            self.cache.unpin(cast(bytes, mv.obj))
+            self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:
