@@ -7,9 +7,8 @@ asks the policy whether the fetched bytes may stay and what to evict. It never c
 victims itself. Files above `max_entry` are `cache/blocks.py`'s: block entries in these
 same tiers (`admit`, `remove`; negative keys), or read through on a source descriptor.
 
-The cache owns its SSD tier and its prefetcher: it builds both, and hands the prefetcher the
-two callables it needs (`fetch_ahead`, `tier_of`), so the prefetch part does not import this
-module. It builds both tiers' policies by name (`belady` reads the prefetcher's plans).
+The cache owns its SSD tier and its prefetcher, which it hands the callables it needs (the
+prefetch part does not import this module), and builds both tiers' policies by name.
 `start(nursery)` starts the tiers' and the prefetcher's tasks. Who reads what (jobs,
 epochs, demand, pending reads) is the readers part's (readers/part.py): every open tells
 it in one call, and the policies and the fetch log read its tracker.
@@ -24,12 +23,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import by_file
+from shadefs.cache.entry import Entry
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
@@ -45,15 +44,6 @@ from shadefs.source import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
 log = logging.getLogger(__name__)
-
-
-class Entry(NamedTuple):
-    """A resident file: its bytes, its source file's signature and hash() of the path it
-    was read by (an inode number reused within a timestamp tick has the same signature)."""
-
-    data: bytes
-    sig: Signature
-    where: int = 0
 
 
 class Cache:
@@ -79,13 +69,11 @@ class Cache:
         owns: Callable[[int], bool] | None = None,
         block_size: int = 0,
     ) -> None:
-        """`policy` names every tier's policy (ValueError if unknown); `score_of` gives a
-        key's importance to `shade`, `owns` a multi-node job's ownership. `ssd` is an SSD
-        tier's store, whose restored entries get keys from `key_of_ino`. `handle_limit`
-        bounds what open handles keep alive outside the RAM tier (None: the RAM budget).
-        `readers` (a fresh one if None) hears of every open, and its pending reads and
-        epoch tracker are what the policies keep and rank by. `block_size`: that of the
-        block entries of large files (cache/blocks.py), which the SSD tier restores."""
+        """`policy`: every tier's (ValueError if unknown); `score_of`: importance for
+        `shade`; `owns`: a multi-node job's ownership; `ssd`: an SSD tier's store (restored
+        entries get keys from `key_of_ino`); `handle_limit`: what open handles keep alive
+        outside the RAM budget (None: the budget); `readers` (fresh if None): who reads
+        what; `block_size`: that of large files' blocks (cache/blocks.py)."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -97,12 +85,11 @@ class Cache:
         self.readers = readers if readers is not None else Readers()
         self.pending = self.readers.pending
         self.entries: dict[int, Entry] = {}
-        self.used = 0
-        self.admitted = 0
-        self.evictions = 0
-        self.refused = 0
-        self.shared_fetches = 0
-        self.ram_hits = 0
+        # Entries that an open found to be their node's version, with the node's check
+        # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
+        self.reopens: dict[int, tuple[Entry, float]] = {}
+        self.used = self.admitted = self.evictions = self.refused = 0  # bytes; counters
+        self.shared_fetches = self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, FileFlight] = {}
         self.fetchlog = FetchLog(self.readers.tracker)  # refetches within an epoch
@@ -168,22 +155,11 @@ class Cache:
         may meet another version than `st`'s, or only its start if it grew past the bound.
         `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
         sig = Signature.of(st)
-        reader = self.readers.read(key, pid)  # before the policies hear of the read
-        job = reader.row
-        ssd, prefetcher = self.ssd, self.prefetcher
-        if prefetcher is not None and (prefetcher.plans or prefetcher.holds.left):
-            prefetcher.observe(key)
+        reader = self._read(key, pid)
         entry = self.entries.get(key)
         if entry is not None:
             if entry.sig == sig and entry.where == hash(path):
-                self.metrics.hits += 1
-                self.ram_hits += 1
-                self.policy.accessed(key, True, job)
-                if ssd is not None:
-                    ssd.policy.accessed(key, key in ssd.index, job)
-                reader.hits += 1
-                reader.bytes += st.st_size
-                self.handles.pin(entry.data, True)
+                self._hit(key, entry, reader)
                 return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
@@ -191,6 +167,33 @@ class Cache:
         if type(got) is Entry:  # a Deferred is pinned when its first read fetches
             self._pin(key, got)
         return got
+
+    def hit(self, key: int, entry: Entry, pid: int) -> None:
+        """An open of `key` by reader `pid` that the caller found `entry` (resident) to
+        serve: what `open_entry` does on a RAM hit, without checking it again (the data
+        path's verified reopen, fs/operations.py)."""
+        self._hit(key, entry, self._read(key, pid))
+
+    def _read(self, key: int, pid: int) -> Job:
+        """The readers' read (before the policies hear of it), and the prefetcher's."""
+        reader = self.readers.read(key, pid)
+        pf = self.prefetcher
+        if pf is not None and (pf.plans or pf.holds.left):
+            pf.observe(key)
+        return reader
+
+    def _hit(self, key: int, entry: Entry, reader: Job) -> None:
+        """Count a RAM hit, tell both tiers' policies of it, and pin its bytes."""
+        self.metrics.hits += 1
+        self.ram_hits += 1
+        job = reader.row
+        self.policy.accessed(key, True, job)
+        ssd = self.ssd
+        if ssd is not None:
+            ssd.policy.accessed(key, key in ssd.index, job)
+        reader.hits += 1
+        reader.bytes += entry.sig.size
+        self.handles.pin(entry.data, True)
 
     def _pin(self, key: int, got: Entry) -> None:
         entry = self.entries.get(key)
@@ -328,11 +331,9 @@ class Cache:
         self.handles.admitted(data)
 
     def _let_go(self, key: int, data: bytes, sig: Signature) -> bool:
-        """A file the RAM tier refuses or evicts while reads of it are still to come: a
-        sweep group's members behind, or other jobs in their own orders (with several, a
-        file cached when a job's speculative plan was made is often evicted before that
-        job reads it). Staged for them within the prefetch window, not fetched again; not
-        with the SSD tier holding it. Whether it was staged."""
+        """A file the RAM tier refuses or evicts while reads of it are still to come (a
+        sweep group's, other jobs'): staged for them within the prefetch window, not
+        fetched again (prefetcher.py `hold`), unless the SSD tier holds it. Whether so."""
         pf, ssd = self.prefetcher, self.ssd
         if pf is None or key < 0 or (ssd is not None and key in ssd.index):
             return False
@@ -341,6 +342,7 @@ class Cache:
     def _remove(self, key: int) -> None:
         """Drop a resident entry (also a block of a file that changed)."""
         entry = self.entries.pop(key)
+        self.reopens.pop(key, None)
         self.used -= len(entry.data)
         self.policy.removed(key)
         self.handles.evicted(entry.data)
@@ -375,7 +377,6 @@ class Cache:
         )
 
     def _policies(self) -> list[Policy]:
-        """The policy of every tier."""
         return [self.policy] if self.ssd is None else [self.policy, self.ssd.policy]
 
     def set_policy(self, name: str) -> None:
@@ -416,9 +417,8 @@ class Cache:
         return 2 if self.ssd is not None and key in self.ssd.index else 0
 
     def cached_keys(self) -> list[int]:
-        """Every key in any tier (blocks' negative ones too), as a list: a copy at C speed
-        that a worker thread may read, where a set union of the tiers' keys would stall the
-        event loop at 1.28 M files (sampling/registry.py's `resident_among` reads it)."""
+        """Every key in any tier (blocks' too): a list copied at C speed for a worker thread
+        (`resident_among`), where a set union would stall the loop at 1.28 M files."""
         ssd = self.ssd
         return list(self.entries) + (list(ssd.index) if ssd is not None else [])
 

@@ -42,6 +42,7 @@ from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.kernel import forget_entry
+from shadefs.fs.opened import OpenRecords
 from shadefs.fs.records import Node
 from shadefs.fs.resolving import Resolving
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
@@ -56,14 +57,13 @@ _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 # A node's path that no longer leads to it (the open answers ESTALE; ELOOP stays ELOOP).
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _ROW = 0xFFFFFFFF
-_OPENED_KEPT = 4096
 
 
 class _Moved(Exception):
     """A directory's path leads to another directory now (raised in a worker thread)."""
 
 
-class Namespace(InodeNumbers, Resolving):
+class Namespace(OpenRecords, InodeNumbers, Resolving):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -93,9 +93,9 @@ class Namespace(InodeNumbers, Resolving):
         self.listings: dict[int, int] = {}
         self._init_numbers()
         self._listing_flights: dict[int, trio.Event] = {}
-        # Records of the files opened last (at most _OPENED_KEPT): a hot file's reopen skips
-        # rebuilding them. Dropped when the row or stat changes (_move, forget, fresh_stat).
-        self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
+        # What opens read of a node, for its next open (fs/opened.py): dropped when its row,
+        # stat or path changes (`_changed`: _move, forget, fresh_stat, stale, claim).
+        self._init_records()
         #: inodes whose kernel pages may be of another version than their row: the next
         #: open of each drops them (operations.py); small, only changed files are in it
         self.unsure: set[int] = set()
@@ -123,23 +123,6 @@ class Namespace(InodeNumbers, Resolving):
     def node(self, ino: int) -> Node:
         snap, i = self.locate(ino)
         return Node(snap.child_path(i), snap.stat(i), int(snap.lookups[i]), snap.checked[i])
-
-    def opening(self, ino: int) -> tuple[Stat, bytes, float]:
-        """(stat, path, time of the last signature check) of a file being opened."""
-        rec = self._opened.get(ino)
-        if rec is None:
-            val = self.table.get(ino)
-            if val < 0:
-                raise pyfuse3.FUSEError(errno.ESTALE)
-            snap = self._snaps[val >> 32]
-            assert snap is not None
-            i = val & _ROW
-            if len(self._opened) >= _OPENED_KEPT:
-                # Start afresh rather than drop the oldest: popping a dict's first entries
-                # one by one makes finding the next first entry ever slower.
-                self._opened.clear()
-            rec = self._opened[ino] = (snap.stat(i), snap.child_path(i), snap, i)
-        return rec[0], rec[1], rec[2].checked.item(rec[3])
 
     def path(self, ino: int) -> bytes:
         snap, i = self.locate(ino)
@@ -250,7 +233,7 @@ class Namespace(InodeNumbers, Resolving):
             self.remember(int(inos[k]), snap, rows[k])
 
     def _move(self, ino: int, old: Snapshot, oi: int, new: Snapshot, i: int, t: float) -> None:
-        self._opened.pop(ino, None)
+        self._changed(ino)
         new.lookups[i] = old.lookups[oi]
         new.checked[i] = t
         old.lookups[oi] = 0
@@ -274,7 +257,7 @@ class Namespace(InodeNumbers, Resolving):
             snap.lookups[i] = 0
             table.pop(ino)
             self.forget_number(ino)
-            self._opened.pop(ino, None)
+            self._changed(ino)
             self.unsure.discard(ino)  # the kernel's inode and its pages are gone
             self._drop_listing(ino)
             self._release(snap)
@@ -418,7 +401,7 @@ class Namespace(InodeNumbers, Resolving):
             snap.checked[i] = now
             if changed:
                 snap.set_stat(i, st)
-                self._opened.pop(ino, None)
+                self._changed(ino)
                 self.unsure.add(ino)
         if not changed:
             return old, False
@@ -437,7 +420,7 @@ class Namespace(InodeNumbers, Resolving):
             listing = self._snaps[slot] if slot is not None else None
             if listing is not None:
                 listing.stamp = -math.inf
-            self._opened.pop(ino, None)
+            self._changed(ino)
             i = val & _ROW
             if snap.dirino:  # not the root: the kernel forgets the name, and asks again
                 forget_entry(snap.dirino, snap.name(i))

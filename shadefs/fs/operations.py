@@ -31,6 +31,7 @@ from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.entry import Entry
 from shadefs.cache.extents import advise
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature, StatLike
@@ -58,11 +59,15 @@ _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _guarded(
+    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | None] | None = None
+) -> Callable[..., Awaitable[T]]:
     """Turn a bug in a handler into EIO plus a logged traceback.
 
     pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
     the whole mount down, which for a training job is far worse than one failed read.
+    `hit`: the handler's synchronous hit path (`_hit_<name>`), tried first, so that a hit
+    costs no coroutine beyond this one; None from it: the handler answers.
     """
 
     name = fn.__name__
@@ -72,6 +77,10 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         counts = self.metrics.requests  # stats.json `requests`: requests per sample
         counts[name] = counts.get(name, 0) + 1
         try:
+            if hit is not None:
+                got = hit(self, *args)
+                if got is not None:
+                    return got
             return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):
             raise
@@ -85,7 +94,7 @@ def _guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
     for name, fn in {**vars(ReadOnly), **vars(cls)}.items():
         if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
-            setattr(cls, name, _guarded(fn))
+            setattr(cls, name, _guarded(fn, vars(cls).get(f"_hit_{name}")))
     return cls
 
 
@@ -121,6 +130,9 @@ class Operations(ReadOnly):
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
+        # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
+        self._verified = ns.verified = cache.reopens
+        self._unpin = cache.handles.unpin
         self._next_fh = 1
 
     # --- namespace --------------------------------------------------------------------
@@ -136,6 +148,8 @@ class Operations(ReadOnly):
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
+        for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
+            self._verified.pop(ino, None)
 
     async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
@@ -209,6 +223,33 @@ class Operations(ReadOnly):
 
     # --- data -------------------------------------------------------------------------
 
+    def _hit_open(
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo | None:
+        """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
+        an open verified since its node last changed (fs/opened.py; an evicted entry's
+        record goes with it). The node's check must not be due, its pages not `unsure`, and
+        the file still RAM's to serve (not blocks', after a budget shrank). None: `open`."""
+        rec = self._verified.get(inode)
+        if rec is None or flags & _WRITE_FLAGS:
+            return None
+        entry, checked = rec
+        cache = self.cache
+        if (
+            time.monotonic() - checked >= self.ns.revalidate
+            or inode in self.ns.unsure
+            or entry.sig.size > cache.ram_max
+        ):
+            return None
+        # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
+        # verified, and a forget since would have dropped the record.)
+        cache.hit(inode, entry, ctx.pid)
+        fh = self._next_fh
+        self._next_fh = fh + 1
+        self._inode_of[fh] = inode
+        self._mem[fh] = memoryview(entry.data)  # unpinned at release
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
@@ -227,6 +268,7 @@ class Operations(ReadOnly):
         if flags & _WRITE_FLAGS:
             raise erofs()
         st, path, checked = self.ns.opening(inode)
+        changes = self.ns.changes  # whether a node changed while this open awaited
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         if time.monotonic() - checked >= self.ns.revalidate:
@@ -272,9 +314,20 @@ class Operations(ReadOnly):
         else:  # it changed again: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
-        if inode not in self.ns.unsure:  # the hit path: the kernel's pages are this version
+        if inode not in self.ns.unsure:  # the kernel's pages are this version
+            resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
+            if resident is not None and resident.data is entry.data and changes == self.ns.changes:
+                self._verify(inode, resident, st, path, checked)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
+
+    def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
+        """Keep for the node's reopens that its resident `entry` is its version (`st`, found
+        at `path`, checked at `checked`): the hit path in `open` serves it while the record
+        lasts (the namespace drops it when the node changes, the cache with the entry)."""
+        if entry.sig == Signature.of(st) and entry.where == hash(path):
+            self._verified[inode] = (entry, checked)
+        # (else read through another path or version: the cache decides at each open)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
         fd, now = await self.source.open_file(path)
@@ -350,7 +403,7 @@ class Operations(ReadOnly):
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
-            self.cache.unpin(cast(bytes, mv.obj))
+            self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:
