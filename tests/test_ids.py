@@ -36,13 +36,15 @@ def test_ids_match_a_dict_through_growth() -> None:
 
 def test_a_growth_moves_the_ids_in_bounded_steps() -> None:
     table = IdTable(bits=17)
-    n = (1 << 17) * 2 // 3 + 1  # one past 2/3: the slots double
-    ids = table.add_many(np.arange(1, n + 1, dtype=np.int64) * 1_000_003)
-    assert ids.tolist() == list(range(n)) and table._old is not None
-    assert table._moved == 0 < table._target  # nothing moved in the call that grew it
+    n = (1 << 17) * 2 // 3  # 2/3 full: the next id grows the slots
+    table.add_many(np.arange(1, n + 1, dtype=np.int64) * 1_000_003)
+    assert table._old is None and len(table._s.slots) == 1 << 17
+    assert table.add_many(np.array([-5, -5, 7], dtype=np.int64)).tolist() == [n, n, n + 1]
+    assert table._old is not None and table._moved == 0 < table._target == n
     table.step()
     assert 0 < table._moved < table._target  # a bounded share per step, not all at once
     assert table.get(5 * 1_000_003) == 4 and table.get(n * 1_000_003) == n - 1
+    assert table.get(-5) == n and table.get(7) == n + 1
     while table._old is not None:
         table.step()
     assert all(table.get(k * 1_000_003) == k - 1 for k in range(1, n + 1, 97))
@@ -58,3 +60,26 @@ def test_single_adds_alone_finish_every_growth() -> None:
     assert all(table.get(k) == i for i, k in enumerate(keys[::101]) for i in [i * 101])
     live = table._s.used + table._target - table._moved
     assert live == len(keys) and live * 3 <= len(table._s.slots) * 2
+
+
+def test_the_trackers_counts_kept_per_job_equal_a_full_recount() -> None:
+    from shadefs.readers.tracker import Tracker
+
+    rng = np.random.default_rng(9)
+    t = Tracker()
+    for step in range(3000):
+        op = rng.random()
+        row = int(rng.integers(0, 4))
+        if op < 0.85:
+            t.read(int(rng.integers(1, 60)), row)  # inferred epochs come with re-reads
+        elif op < 0.9:
+            t.leave(row)
+        elif op < 0.95:
+            t.announce(max(t.epochs_of().values(), default=0) + 1, row)
+        else:
+            t.announce(int(rng.integers(0, 5)))  # every job
+        if step % 50 == 0:
+            want, done = t.want[: t.n].copy(), t.done[: t.n].copy()
+            t.recount()
+            assert want.tolist() == t.want[: t.n].tolist()
+            assert done.tolist() == t.done[: t.n].tolist()

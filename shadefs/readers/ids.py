@@ -107,8 +107,27 @@ class IdTable:
         if need > len(self.keys):
             self._grow_keys(need)
         self.step(2 * len(keys) + 256)  # done before the grown slots fill (module doc)
-        add = self.add
-        return np.fromiter((add(k) for k in keys.tolist()), np.int64, len(keys))
+        keys = np.asarray(keys, dtype=np.int64)
+        ids = self._s.lookup(keys, self.keys)
+        if self._old is not None:
+            gone = ids < 0
+            ids[gone] = self._old.lookup(keys[gone], self.keys)
+        miss = np.flatnonzero(ids < 0)
+        if not len(miss):
+            return ids
+        # New keys, numbered in order of first occurrence (a key may repeat: hard links).
+        uniq, first = np.unique(keys[miss], return_index=True)
+        order = np.argsort(first, kind="stable")
+        start, m = self._n, len(uniq)
+        if (self._s.used + m + self._target - self._moved) * 3 > len(self._s.slots) * 2:
+            self._grow_slots(m)  # (their room counts the ids still to move)
+        self.keys[start : start + m] = uniq[order]
+        self._n = start + m
+        self._s.place(self.keys, start, start + m)
+        rank = np.empty(m, dtype=np.int64)
+        rank[order] = np.arange(start, start + m)
+        ids[miss] = rank[np.searchsorted(uniq, keys[miss])]
+        return ids
 
     def step(self, ids: int = 1 << 15) -> None:
         """Move up to `ids` ids from the old slots into the grown ones (32 k: a few ms):
@@ -123,12 +142,16 @@ class IdTable:
         if end == self._target:
             self._old = None
 
-    def _grow_slots(self) -> None:
-        """Twice the slots: the ids move over by `step`s; the old slots answer meanwhile."""
+    def _grow_slots(self, more: int = 0) -> None:
+        """Twice the slots (or more, to fit `more` new ids as well): the ids move over by
+        `step`s; the old slots answer meanwhile."""
         while self._old is not None:
             self.step()  # (a second growth before the first is done: finish it first)
         self._old, self._target, self._moved = self._s, self._n, 0
-        self._alloc(self._old.bits + 1)
+        bits = self._old.bits + 1
+        while (self._n + more) * 3 > (1 << bits) * 2:
+            bits += 1
+        self._alloc(bits)
         if self._target <= 1 << 15:
             self.step()  # small: at once
 
@@ -161,6 +184,22 @@ class _Slots:
             if j < 0 or keys[j] == key:
                 return j
             i = (i + 1) & mask
+
+    def lookup(self, want: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """The ids of `want` (int64), -1 for those not here; `keys`: the id -> key column.
+        Probing in numpy rounds: every key still open moves on by one slot per round."""
+        out = np.full(len(want), -1, dtype=np.int64)
+        idx = np.arange(len(want))
+        mask = np.uint64(self.mask)
+        pos = (want.astype(np.uint64) * np.uint64(_GOLDEN)) >> np.uint64(self.shift)
+        while len(idx):
+            j = self.slots[pos].astype(np.int64) - 1
+            hit = j >= 0
+            hit[hit] = keys[j[hit]] == want[idx[hit]]
+            out[idx[hit]] = j[hit]
+            going = (j >= 0) & ~hit
+            idx, pos = idx[going], (pos[going] + np.uint64(1)) & mask
+        return out
 
     def place(self, keys: np.ndarray, start: int, end: int) -> None:
         """Place ids `start` to `end` (their keys in `keys`), in numpy."""
