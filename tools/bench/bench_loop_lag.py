@@ -194,10 +194,13 @@ async def bench(args: argparse.Namespace, src: Path, steps: Steps) -> None:
             plan = spec.plans.get(row)
             print(f"  {spec.plans_made} plans made, the last of {len(plan) if plan else 0} files")
 
-        await phase("universe growth (tracking)", [(grow, range(last))])
-        await phase("replan (1 job, no order)", [(replan,)])
-        await phase("reads (2 jobs)", [(reads, jobs[0]), (reads, jobs[1])])
-        other.kill()
+        try:
+            await phase("universe growth (tracking)", [(grow, range(last))])
+            await phase("replan (1 job, no order)", [(replan,)])
+            await phase("reads (2 jobs)", [(reads, jobs[0]), (reads, jobs[1])])
+        finally:
+            other.kill()  # also when a phase fails (a pipe on the output would stay open)
+            other.wait()
         nursery.cancel_scope.cancel()
 
 
