@@ -12,6 +12,10 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
+from shadefs.fs import namespace as fs_namespace
+from shadefs.fs import operations as fs_operations
+from shadefs.fs import resolving as fs_resolving
+from shadefs.fs import xattrs as fs_xattrs
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs
 
@@ -65,7 +69,23 @@ async def test_an_evicted_entry_is_fetched_again_by_the_full_path(tmp_path: Path
     assert ino in svc.cache.entries and ino in svc.namespace.verified
 
 
-async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path: Path) -> None:
+class _Clock:
+    """time.monotonic for the fs part's revalidation (namespace, handlers, resolving,
+    xattrs), moved on at will: a --revalidate period passes without a real sleep."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+async def test_a_changed_file_is_served_in_its_new_version_once_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    for module in (fs_namespace, fs_operations, fs_resolving, fs_xattrs):
+        monkeypatch.setattr(module, "time", clock)
     src = make_tree(tmp_path / "src", {"d/f": b"1"})
     ops, svc = make_fs(src, revalidate=0.3)
     ino = await lookup_path(ops, "d/f")
@@ -73,7 +93,7 @@ async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path
         assert await _open_read_release(ops, ino) == b"1"
     (src / "d" / "f").write_bytes(b"changed")
     assert await _open_read_release(ops, ino) == b"1"  # within --revalidate: as looked up
-    time.sleep(0.4)
+    clock.ahead += 0.4
     assert await _open_read_release(ops, ino) == b"changed"  # the check was due
     assert ino not in svc.namespace.verified  # (its pages were unsure: dropped at that open)
     assert await _open_read_release(ops, ino) == b"changed"
