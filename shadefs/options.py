@@ -166,6 +166,12 @@ SOURCE_THREADS = Option(
     help="worker threads for source calls", shown="32",
     meaning="worker threads for source calls: the most calls to SRC in flight at once",
 )
+INLINE_READS = Option(
+    name="inline_reads", default=True, parse=on_off, negatable=True,
+    help="read small files SRC holds in memory without a worker thread", shown="on",
+    meaning="a small file that a local SRC has cached is read on the event loop, without a "
+    "worker thread (NFS, FUSE and uncached files go to a thread)",
+)
 REVALIDATE = Option(
     name="revalidate", default=3600.0, parse=parse_float, metavar="S",
     help="seconds before a file is checked against SRC again", shown="3600",
@@ -241,7 +247,7 @@ SYSTEMD = Option(
 
 OPTIONS: tuple[Option[Any], ...] = (
     RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, BLOCK_SIZE, PASSTHROUGH_ABOVE, HANDLE_LIMIT,
-    SOURCE_TIMEOUT, SOURCE_THREADS, REVALIDATE, PREFETCH, SPECULATE, PREFETCH_WINDOW,
+    SOURCE_TIMEOUT, SOURCE_THREADS, INLINE_READS, REVALIDATE, PREFETCH, SPECULATE, PREFETCH_WINDOW,
     PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
@@ -268,6 +274,7 @@ class MountOptions:
     log: str | None = LOG.default
     source_timeout: float = SOURCE_TIMEOUT.default
     source_threads: int = SOURCE_THREADS.default
+    inline_reads: bool = INLINE_READS.default
     revalidate: float = REVALIDATE.default
     ssd: str | None = SSD.default
     ssd_size: int | None = None  # the SIZE of --ssd DIR:SIZE

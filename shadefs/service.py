@@ -73,7 +73,10 @@ class Service:
         """Build the parts for `opts`; QuietError when the SSD cache cannot be used."""
         self.mountpoint = os.path.abspath(opts.mountpoint)
         self.source = Source(
-            opts.source, max_threads=opts.source_threads, timeout=opts.source_timeout
+            opts.source,
+            max_threads=opts.source_threads,
+            timeout=opts.source_timeout,
+            inline=opts.inline_reads,
         )
         self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
         self.metrics = Metrics()

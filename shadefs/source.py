@@ -51,7 +51,8 @@ import pyfuse3
 import trio
 
 from shadefs.source_calls import Calls, TimedOut
-from shadefs.source_paths import Resolver
+from shadefs.source_inline import InlineReads
+from shadefs.source_paths import Resolver, version
 from shadefs.source_reads import pread_spread, readahead_bytes
 from shadefs.stats import SourceStats
 
@@ -161,9 +162,12 @@ class Source:
         timeout: float = 30.0,
         use_openat2: bool | None = None,
         fd_budget: int | None = None,
+        inline: bool = True,
     ):
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
+        # Small files the source has cached are read on the loop (source_inline.py).
+        self.inline = InlineReads(self.paths, enabled=inline)
         self._use_openat2 = use_openat2
         self._root_id = _identity(os.fstat(self.paths.root_fd))
         self._mount_point = _is_mount_point(self.root)
@@ -193,6 +197,7 @@ class Source:
             healthy=self.healthy,
             timeouts=self.timeouts,
             errors=self.errors,
+            inline_reads=self.inline.reads,
         )
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -305,7 +310,10 @@ class Source:
         are the whole file only if len(data) == st.st_size; otherwise they are the start
         of a version larger than `size` (and its fstat says how large).
         """
-        data, st = await self.run(_read_bounded, self.paths, rel, size)
+        got = self.inline.read(self.paths, rel, size) if self.inline.enabled else None
+        if got is None:
+            got = await self.run(_read_bounded, self.paths, rel, size)
+        data, st = got
         self.bytes_read += len(data)
         return data, st
 
@@ -315,16 +323,27 @@ class Source:
         """`read_file` of each (path, size) in one worker thread: what a small file costs
         in the thread (a few syscalls) is far less than a thread hop (prefetch batches).
         Each file's outcome: (bytes, fstat) or its FUSE error; and the seconds the thread
-        spent reading, per file (the source's own latency, without the hop)."""
-        got, seconds = await self.run(self._read_many, items)
-        out: list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError] = []
-        for one in got:
-            if isinstance(one, OSError):
-                out.append(self._failed(one))
-            else:
-                self.bytes_read += len(one[0])
-                out.append(one)
-        return out, seconds
+        spent reading, per file (the source's own latency, without the hop). Files read
+        on the loop (`InlineReads`) make no thread hop; a checkpoint still comes between
+        two calls."""
+        out: list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError | None] = [None] * len(items)
+        rest: list[int] = list(range(len(items)))
+        seconds = 0.0
+        if self.inline.enabled:
+            t0 = time.perf_counter()
+            for i, (rel, size) in enumerate(items):
+                out[i] = self.inline.read(self.paths, rel, size)
+            rest = [i for i, one in enumerate(out) if one is None]
+            seconds = (time.perf_counter() - t0) / len(items)
+        if rest:
+            got, seconds = await self.run(self._read_many, [items[i] for i in rest])
+            for i, res in zip(rest, got, strict=True):
+                out[i] = self._failed(res) if isinstance(res, OSError) else res
+        else:
+            await trio.lowlevel.checkpoint()  # a prefetcher's loop must not starve the rest
+        done = [one for one in out if one is not None]
+        self.bytes_read += sum(len(one[0]) for one in done if isinstance(one, tuple))
+        return done, seconds
 
     def _read_many(
         self, items: Sequence[tuple[bytes, int | None]]
@@ -391,15 +410,10 @@ def _read_bounded(paths: Resolver, rel: bytes, size: int | None) -> tuple[bytes,
             after = os.fstat(fd)
         finally:
             os.close(fd)
-        if _version(after) == _version(st):
+        if version(after) == version(st):
             return data, st
         log.info("%r changed while it was read: reading it again", rel)
     raise OSError(errno.EIO, "the file kept changing while it was read")
-
-
-def _version(st: os.stat_result) -> tuple[int, int, int]:
-    # ctime moves with every write, also one that puts size and mtime back.
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _read_fd(fd: int, st: os.stat_result, size: int | None) -> bytes:

@@ -45,6 +45,11 @@ _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+# For `open_cached` also: no mount crossed (another filesystem may block where this one
+# does not), and EAGAIN rather than a lookup that leaves the kernel's dentry cache (5.12+).
+_RESOLVE_NO_XDEV = 0x01
+_RESOLVE_CACHED = 0x20
+_RESOLVE_NOWAIT = _RESOLVE | _RESOLVE_NO_XDEV | _RESOLVE_CACHED
 
 T = TypeVar("T")
 
@@ -66,9 +71,9 @@ class _OpenHow(ctypes.Structure):
     ]
 
 
-def _load_syscall() -> Callable[..., int] | None:
+def _load_syscall(lib: type[ctypes.CDLL] = ctypes.CDLL) -> Callable[..., int] | None:
     try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn = lib(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
@@ -77,6 +82,10 @@ def _load_syscall() -> Callable[..., int] | None:
 
 
 _syscall = _load_syscall()
+# The same call holding the GIL (a PyDLL function does not release it): for `open_cached`,
+# which cannot block, on the event loop, where handing the GIL to a worker thread and
+# taking it back would cost more than the call.
+_syscall_held = _load_syscall(ctypes.PyDLL)
 
 
 class Resolver:
@@ -91,8 +100,8 @@ class Resolver:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.root_fd)
-        # One open_how per flag set, built on first use and kept alive with its address.
-        self._how: dict[int, tuple[_OpenHow, int]] = {}
+        # One open_how per (flags, resolve), built on first use and kept alive with its address.
+        self._how: dict[tuple[int, int], tuple[_OpenHow, int]] = {}
         if use_openat2 is None:
             use_openat2 = self._probe()
         self.kind = "openat2" if use_openat2 else "walk"
@@ -126,17 +135,33 @@ class Resolver:
             return self._openat2(rel, flags)
         return self._walk(rel, flags)
 
-    def _openat2(self, rel: bytes, flags: int) -> int:
+    def open_cached(self, rel: bytes, flags: int) -> int:
+        """`open`, but only from the kernel's caches and within the root's own filesystem,
+        and without releasing the GIL: EAGAIN when a component is not in the dentry cache,
+        EXDEV when the path crosses a mount, ENOSYS without openat2 (source_inline.py)."""
+        if not self._use_openat2 or _syscall_held is None:
+            raise OSError(errno.ENOSYS, "no openat2", rel)
+        return self._openat2(rel, flags, _RESOLVE_NOWAIT, _syscall_held, tries=1)
+
+    def _openat2(
+        self,
+        rel: bytes,
+        flags: int,
+        resolve: int = _RESOLVE,
+        call: Callable[..., int] | None = None,
+        tries: int = 8,
+    ) -> int:
         if b"\0" in rel:  # ctypes would cut the path there
             raise OSError(errno.EINVAL, "embedded NUL in path", rel)
-        how = self._how.get(flags)
+        how = self._how.get((flags, resolve))
         if how is None:
-            st = _OpenHow(flags, 0, _RESOLVE)
-            how = self._how[flags] = (st, ctypes.addressof(st))
+            st = _OpenHow(flags, 0, resolve)
+            how = self._how[flags, resolve] = (st, ctypes.addressof(st))
         path = rel or b"."
-        assert _syscall is not None
-        for _ in range(8):
-            fd = _syscall(_SYS_OPENAT2, self.root_fd, path, how[1], ctypes.sizeof(_OpenHow))
+        call = call or _syscall  # (looked up now: tests replace it)
+        assert call is not None
+        for _ in range(tries):
+            fd = call(_SYS_OPENAT2, self.root_fd, path, how[1], ctypes.sizeof(_OpenHow))
             if fd >= 0:
                 return fd
             code = ctypes.get_errno()
@@ -309,6 +334,12 @@ class Resolver:
             os.close(fd)
             raise
         return fd, st
+
+
+def version(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells two versions of a file apart: ctime moves with every write, also one that
+    puts size and mtime back."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _lstat_at(name: bytes, dir_fd: int) -> os.stat_result:

@@ -76,6 +76,7 @@ class SourceStats:
     healthy: bool
     timeouts: int
     errors: int
+    inline_reads: int = 0  # files read on the event loop, without a thread (source_inline.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +371,7 @@ class Stats:
             "source_healthy": src.healthy,
             "source_timeouts": src.timeouts,
             "source_errors": src.errors,
+            "source_inline_reads": src.inline_reads,
             "sampler": self.sampler.to_json(),
             "jobs": [_dump(job) for job in self.jobs],
         }
@@ -407,13 +409,8 @@ class Stats:
             ssd=ssd,
             fetches=_load(FetchStats, d),
         )
-        source = SourceStats(
-            root=d["source"],
-            bytes_read=d["bytes_from_source"],
-            healthy=d["source_healthy"],
-            timeouts=d["source_timeouts"],
-            errors=d["source_errors"],
-        )
+        src = {k.removeprefix("source_"): v for k, v in d.items()}  # source_healthy: healthy
+        source = _load(SourceStats, src, root=d["source"], bytes_read=d["bytes_from_source"])
         return _load(
             cls,
             d,

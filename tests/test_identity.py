@@ -25,7 +25,9 @@ OLD, NEW = b"o" * 100_000, b"n" * 100_000
 
 def rewrite_during_reads(monkeypatch: pytest.MonkeyPatch, f: Path, times: int) -> list[int]:
     """Rewrite `f` in place (same size, the other version) during the next `times` fetches
-    of the source, between their first fstat and the one after the read."""
+    of the source, between their first fstat and the one after the read. Those are a
+    worker thread's fetches (inline=False): a read on the loop leaves a file that changed
+    to them (tests/test_source_inline.py)."""
     real = source_mod._read_fd
     done = [0]
 
@@ -46,7 +48,7 @@ async def test_a_fetch_torn_by_a_rewrite_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "f").write_bytes(OLD)
-    s = Source(os.fsencode(tmp_path))
+    s = Source(os.fsencode(tmp_path), inline=False)
     rewrite_during_reads(monkeypatch, tmp_path / "f", 1)
     data, st = await s.read_file(b"f", len(OLD))
     # The first read met the rewrite; the second is the new version, whole, with its fstat.
@@ -58,7 +60,7 @@ async def test_a_fetch_torn_by_a_rewrite_is_read_again(
 
 async def test_a_fetch_torn_twice_is_eio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "f").write_bytes(OLD)
-    s = Source(os.fsencode(tmp_path))
+    s = Source(os.fsencode(tmp_path), inline=False)
     rewrite_during_reads(monkeypatch, tmp_path / "f", 2)
     with pytest.raises(pyfuse3.FUSEError) as e:
         await s.read_file(b"f", len(OLD))
@@ -69,7 +71,7 @@ async def test_an_open_that_meets_a_new_version_serves_it_whole_without_keep_cac
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = make_tree(tmp_path / "src", {"f": OLD})
-    ops, svc = make_fs(src, ram=8 << 20)
+    ops, svc = make_fs(src, ram=8 << 20, inline_reads=False)
     ino = await lookup_path(ops, "f")
     rewrite_during_reads(monkeypatch, src / "f", 1)  # the first fetch races a rewrite
     fi = await ops.open(ino, os.O_RDONLY, CTX)
@@ -89,7 +91,7 @@ async def test_an_open_whose_fetch_keeps_tearing_is_eio_and_caches_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = make_tree(tmp_path / "src", {"f": OLD})
-    ops, svc = make_fs(src, ram=8 << 20)
+    ops, svc = make_fs(src, ram=8 << 20, inline_reads=False)
     ino = await lookup_path(ops, "f")
     rewrite_during_reads(monkeypatch, src / "f", 2)
     with pytest.raises(pyfuse3.FUSEError) as e:

@@ -25,7 +25,7 @@ TOP = {
     "ram_max_entry", "files_cached", "tiers", "admitted", "evictions", "refused",
     "passthrough_opens", "fetches_shared", "blocked_seconds", "handles", "revalidations",
     "changed_files", "inodes_known", "directories_listed", "source_healthy", "source_timeouts",
-    "source_errors", "control_errors", "sampler", "jobs", "source_fetches",
+    "source_errors", "source_inline_reads", "control_errors", "sampler", "jobs", "source_fetches",
     "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}

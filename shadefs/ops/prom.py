@@ -112,6 +112,7 @@ METRICS: tuple[Sample, ...] = (
     _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),
     _c("source.bytes_read", "bytes_from_source", "Bytes read from the source tree"),
     _c("source.timeouts", "source_timeouts", "Source calls that timed out"),
+    _c("source.inline_reads", "source_inline_reads", "Files read without a worker thread"),
     _c("source.errors", "source_errors", "Source calls that failed"),
     _g("source.healthy", "source_healthy", "1 when the source answers, 0 when it does not"),
     _c("namespace.revalidations", "revalidations", "Namespace revalidations against the source"),
