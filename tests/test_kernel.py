@@ -1,14 +1,17 @@
-"""The kernel-side settings the daemon writes through sysfs: read-ahead and FUSE queue depth."""
+"""The kernel-side settings the daemon writes through sysfs (read-ahead, FUSE queue depth),
+and the pages it hands the kernel with a small file's first open."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shadefs import kernel
-from tests.conftest import make_tree
+from shadefs.fs.kernel import PUSH_MAX
+from tests.conftest import Mount, make_tree
 
 # A device no bdi has: its read_ahead_kb write fails, which must not stop the others.
 _NO_BDI = os.makedev(0, (1 << 20) - 1)
@@ -52,3 +55,29 @@ def test_a_mount_as_root_has_the_daemons_settings(tmp_path: Path, mounter) -> No
     assert int((conn / "congestion_threshold").read_text()) == kernel.CONGESTION_THRESHOLD
     bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
     assert int(bdi.read_text()) == kernel.READ_AHEAD_KB
+
+
+def _reads(m: Mount) -> int:
+    return int(m.stats()["requests"].get("read", 0))
+
+
+def test_a_small_files_first_open_brings_its_bytes_without_a_read(
+    tmp_path: Path, mounter: Callable[..., Mount]
+) -> None:
+    """fs/kernel.py `push_pages`: the open of a small file the kernel holds no pages of
+    stores them, so that reading it sends no READ; a large file is read as before."""
+    small, big = os.urandom(5000), os.urandom(PUSH_MAX + 5000)
+    src = make_tree(tmp_path / "src", {"s.bin": small, "t.bin": small[::-1], "b.bin": big})
+    m = mounter(src)
+    r0 = _reads(m)
+    stats_read = _reads(m) - r0  # what reading stats.json itself costs
+    before = _reads(m)
+    assert (m.mnt / "s.bin").read_bytes() == small
+    assert _reads(m) - before == stats_read
+    # Two handles of one file at once (the second open finds the kernel's pages).
+    with open(m.mnt / "t.bin", "rb") as f1, open(m.mnt / "t.bin", "rb") as f2:
+        assert f2.read() == small[::-1] and f1.read(100) == small[::-1][:100]
+    assert _reads(m) - before == 2 * stats_read
+    assert (m.mnt / "b.bin").read_bytes() == big
+    assert _reads(m) - before > 3 * stats_read  # the large file's READs
+    assert m.stats()["bytes_served"] >= 2 * len(small) + len(big)

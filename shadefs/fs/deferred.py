@@ -96,11 +96,6 @@ class Deferrals:
         self.kernel = kernel
         self.handles: dict[int, _Pending] = {}
 
-    def may_hold_pages(self, inode: int) -> bool:
-        """Whether `inode` was opened since the kernel last forgot it (from now on it was)
-        and deferring is worth its version check (cache/kernel_pages.py)."""
-        return self.kernel.opened(inode) and self.kernel.worth_deferring()
-
     def forget(self, items: Sequence[tuple[int, int]]) -> None:
         """The kernel dropped these inodes, and their pages with them."""
         self.kernel.forget(ino for ino, _ in items)

@@ -39,7 +39,7 @@ from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import invalidate_attrs
+from shadefs.fs.kernel import invalidate_attrs, push_pages
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -276,7 +276,8 @@ class Operations(ReadOnly):
             if changed:
                 await invalidate_attrs(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
-        lazy = self.deferrals.may_hold_pages(inode) and inode not in self.ns.unsure
+        seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
+        lazy = seen and self.deferrals.kernel.worth_deferring() and inode not in self.ns.unsure
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
                 blocks = self.blocks
@@ -318,6 +319,8 @@ class Operations(ReadOnly):
             resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
             if resident is not None and resident.data is entry.data and changes == self.ns.changes:
                 self._verify(inode, resident, st, path, checked)
+            if not seen and push_pages(inode, fh, entry.data, self._inode_of):
+                self.metrics.bytes_served += len(entry.data)  # the kernel has them all
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
 

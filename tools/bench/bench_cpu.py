@@ -12,8 +12,8 @@ depends on what else runs on the machine, unlike the wall-clock files/s printed 
 The floor is `floorfs.py` (beside this script): a minimal pyfuse3 + trio filesystem that
 serves the same tree from memory with keep_cache and long timeouts and does nothing else,
 measured in the same run. No Python pyfuse3 daemon serves a file with less work; the ratios
-are shadefs's figures divided by it. The cold figure is also measured with --no-speculate
-and with --no-prefetch.
+are shadefs's figures divided by it. The cold figure is also measured with --no-speculate,
+--no-prefetch and --no-inline-reads (every source read in a worker thread, as over NFS).
 
 Requests per sample come from each daemon's own counters (shadefs's stats.json `requests`,
 floorfs's `user.floorfs.requests` xattr), and for shadefs how the misses were served, per
@@ -63,6 +63,7 @@ CONFIGS: dict[str, tuple[str, ...] | None] = {
     "shadefs": (),
     "no-speculate": ("--no-speculate",),
     "no-prefetch": ("--no-prefetch",),
+    "no-inline": ("--no-inline-reads",),
 }
 
 
@@ -155,7 +156,8 @@ def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
         yield
         return
     cmd = ["py-spy", "record", "-p", str(pid), "-f", "raw", "-r", "500", "-o", str(out), *SPY]
-    cmd.append("--nonblocking")
+    if "--native" not in SPY:  # py-spy cannot unwind native frames without stopping them
+        cmd.append("--nonblocking")
     if PERF:
         cmd = ["perf", "record", "-F", "999", "-g", "-p", str(pid), "-o", f"{out}.perf"]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -178,6 +180,7 @@ def shadefs_requests(mnt: Path) -> Callable[[], Counter[str]]:
         pf = st.get("prefetch") or {}
         got["@staged"] = pf.get("served", 0)
         got["@prefetched"] = pf.get("fetched", 0)
+        got["@inline"] = st.get("source_inline_reads", 0)
         return got
 
     return counts
@@ -249,7 +252,8 @@ def per_sample(p: Pass) -> str:
     return (
         f"{reqs}; misses={r['@misses'] / p.opens:.2f}: staged={r['@staged'] / p.opens:.2f} "
         f"joined={r['@shared'] / p.opens:.2f} own={own / p.opens:.2f} "
-        f"(prefetched {r['@prefetched'] / p.opens:.2f})"
+        f"(prefetched {r['@prefetched'] / p.opens:.2f}; read without a thread "
+        f"{r['@inline'] / p.opens:.2f})"
     )
 
 
