@@ -66,8 +66,9 @@ def test_a_small_files_first_open_brings_its_bytes_without_a_read(
 ) -> None:
     """fs/kernel.py `push_pages`: the open of a small file the kernel holds no pages of
     stores them, so that reading it sends no READ; a large file is read as before."""
-    small, big = os.urandom(5000), os.urandom(PUSH_MAX + 5000)
-    src = make_tree(tmp_path / "src", {"s.bin": small, "t.bin": small[::-1], "b.bin": big})
+    small, most, big = os.urandom(5000), os.urandom(PUSH_MAX), os.urandom(PUSH_MAX + 5000)
+    tree = {"s.bin": small, "t.bin": small[::-1], "m.bin": most, "b.bin": big}
+    src = make_tree(tmp_path / "src", tree)
     m = mounter(src)
     r0 = _reads(m)
     stats_read = _reads(m) - r0  # what reading stats.json itself costs
@@ -78,6 +79,8 @@ def test_a_small_files_first_open_brings_its_bytes_without_a_read(
     with open(m.mnt / "t.bin", "rb") as f1, open(m.mnt / "t.bin", "rb") as f2:
         assert f2.read() == small[::-1] and f1.read(100) == small[::-1][:100]
     assert _reads(m) - before == 2 * stats_read
+    assert (m.mnt / "m.bin").read_bytes() == most  # as large as a push may be
+    assert _reads(m) - before == 3 * stats_read
     assert (m.mnt / "b.bin").read_bytes() == big
-    assert _reads(m) - before > 3 * stats_read  # the large file's READs
-    assert m.stats()["bytes_served"] >= 2 * len(small) + len(big)
+    assert _reads(m) - before > 4 * stats_read  # the large file's READs
+    assert m.stats()["bytes_served"] >= 2 * len(small) + len(most) + len(big)
