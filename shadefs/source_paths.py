@@ -86,6 +86,7 @@ _syscall = _load_syscall()
 # which cannot block, on the event loop, where handing the GIL to a worker thread and
 # taking it back would cost more than the call.
 _syscall_held = _load_syscall(ctypes.PyDLL)
+_HOW_CACHED: dict[int, tuple[_OpenHow, int]] = {}  # open_how per flags, kept with its address
 
 
 class Resolver:
@@ -100,8 +101,8 @@ class Resolver:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.root_fd)
-        # One open_how per (flags, resolve), built on first use and kept alive with its address.
-        self._how: dict[tuple[int, int], tuple[_OpenHow, int]] = {}
+        # One open_how per flag set, built on first use and kept alive with its address.
+        self._how: dict[int, tuple[_OpenHow, int]] = {}
         if use_openat2 is None:
             use_openat2 = self._probe()
         self.kind = "openat2" if use_openat2 else "walk"
@@ -137,31 +138,22 @@ class Resolver:
 
     def open_cached(self, rel: bytes, flags: int) -> int:
         """`open`, but only from the kernel's caches and within the root's own filesystem,
-        and without releasing the GIL: EAGAIN when a component is not in the dentry cache,
-        EXDEV when the path crosses a mount, ENOSYS without openat2 (source_inline.py)."""
-        if not self._use_openat2 or _syscall_held is None:
+        and without releasing the GIL (`open_cached_at`); ENOSYS with the walk."""
+        if not self._use_openat2:
             raise OSError(errno.ENOSYS, "no openat2", rel)
-        return self._openat2(rel, flags, _RESOLVE_NOWAIT, _syscall_held, tries=1)
+        return open_cached_at(self.root_fd, rel, flags)
 
-    def _openat2(
-        self,
-        rel: bytes,
-        flags: int,
-        resolve: int = _RESOLVE,
-        call: Callable[..., int] | None = None,
-        tries: int = 8,
-    ) -> int:
+    def _openat2(self, rel: bytes, flags: int) -> int:
         if b"\0" in rel:  # ctypes would cut the path there
             raise OSError(errno.EINVAL, "embedded NUL in path", rel)
-        how = self._how.get((flags, resolve))
+        how = self._how.get(flags)
         if how is None:
-            st = _OpenHow(flags, 0, resolve)
-            how = self._how[flags, resolve] = (st, ctypes.addressof(st))
+            st = _OpenHow(flags, 0, _RESOLVE)
+            how = self._how[flags] = (st, ctypes.addressof(st))
         path = rel or b"."
-        call = call or _syscall  # (looked up now: tests replace it)
-        assert call is not None
-        for _ in range(tries):
-            fd = call(_SYS_OPENAT2, self.root_fd, path, how[1], ctypes.sizeof(_OpenHow))
+        assert _syscall is not None
+        for _ in range(8):
+            fd = _syscall(_SYS_OPENAT2, self.root_fd, path, how[1], ctypes.sizeof(_OpenHow))
             if fd >= 0:
                 return fd
             code = ctypes.get_errno()
@@ -334,6 +326,28 @@ class Resolver:
             os.close(fd)
             raise
         return fd, st
+
+
+def open_cached_at(dir_fd: int, rel: bytes, flags: int) -> int:
+    """A descriptor of `rel` beneath `dir_fd` that no disk or server was asked for: openat2
+    with the resolver's no-symlink, no-escape flags plus RESOLVE_NO_XDEV (no other mount) and
+    RESOLVE_CACHED (EAGAIN, a BlockingIOError, when a component is not in the dentry cache;
+    EINVAL before Linux 5.12, ENOSYS without openat2), called without releasing the GIL:
+    for the event loop, where handing the GIL to a worker thread and taking it back would
+    cost more than the call (source_inline.py, the SSD tier's warm reads)."""
+    if _syscall_held is None:
+        raise OSError(errno.ENOSYS, "no syscall()", rel)
+    if b"\0" in rel:  # ctypes would cut the path there
+        raise OSError(errno.EINVAL, "embedded NUL in path", rel)
+    how = _HOW_CACHED.get(flags)
+    if how is None:
+        st = _OpenHow(flags, 0, _RESOLVE_NOWAIT)
+        how = _HOW_CACHED[flags] = (st, ctypes.addressof(st))
+    fd = _syscall_held(_SYS_OPENAT2, dir_fd, rel or b".", how[1], ctypes.sizeof(_OpenHow))
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), rel)
+    return fd
 
 
 def version(st: os.stat_result) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ bytes and counts right."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shadefs.cache import ssd_store
 from shadefs.cache.ssd_format import HSIZE, Signature
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 
@@ -225,6 +227,28 @@ def test_damaged_entry_is_a_miss_on_get(store: SsdStore, how: str, nowait: bool)
     assert (store.used_bytes, store.entries) == (1000, 1)
     assert _get(store, b"good", sig_for(payload(8)), nowait) == payload(8)
     assert _get(store, b"good", sig_for(payload(8), ino=9), nowait) is None  # stale
+
+
+def test_the_loops_get_leaves_uncached_directory_entries_to_the_thread(
+    store: SsdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get(nowait=True) runs on the event loop: an entry whose directory entries the kernel
+    dropped (a cold SSD hit after memory pressure) must not be opened there, which would
+    wait for the disk to read the directory, but left to the thread's get."""
+    data = payload(3, 2000)
+    assert store.put(b"x", data, sig_for(data))
+    opened: list[bytes] = []
+
+    def not_cached(dir_fd: int, rel: bytes, flags: int) -> int:
+        opened.append(rel)
+        raise BlockingIOError(errno.EAGAIN, "not in the dentry cache")
+
+    monkeypatch.setattr(ssd_store, "open_cached_at", not_cached)
+    with pytest.raises(BlockingIOError):
+        store.get(b"x", sig_for(data), nowait=True)
+    assert opened == [os.fsencode(store.key_path(b"x").relative_to(store.root))]
+    assert store.get(b"x", sig_for(data)) == data  # the thread's get opens it as before
+    assert store.corrupt_entries == 0
 
 
 @pytest.mark.parametrize("how", [c for c in CORRUPTIONS if c != "data"])

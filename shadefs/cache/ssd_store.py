@@ -59,11 +59,13 @@ from shadefs.cache.ssd_format import (
 )
 from shadefs.cache.ssd_ledger import Ledger
 from shadefs.cache.ssd_owner import check_owner
+from shadefs.source_paths import open_cached_at
 
 log = logging.getLogger(__name__)
 
 # Entries are files the store wrote: a symlink in their place is refused, never followed.
 _READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_CACHED_OPEN = [True]  # False where openat2 cannot open from the dentry cache only
 
 __all__ = ["CacheLocked", "SsdStore"]
 
@@ -231,7 +233,10 @@ class SsdStore:
         """
         bucket, name, path = self._key(relpath)
         try:
-            fd = os.open(path, _READ, dir_fd=self._dir)
+            if nowait and _CACHED_OPEN[0]:
+                fd = self._open_cached(path)
+            else:
+                fd = os.open(path, _READ, dir_fd=self._dir)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -254,6 +259,18 @@ class SsdStore:
             return data
         finally:
             os.close(fd)
+
+    def _open_cached(self, path: str) -> int:
+        """The entry's descriptor if its directory entries are cached: an open on the event
+        loop must not wait for the disk to read a directory (after the kernel dropped its
+        dentries, a cold SSD hit did); EAGAIN sends the read to a thread."""
+        try:
+            return open_cached_at(self._dir, os.fsencode(path), _READ)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EINVAL):
+                raise
+            _CACHED_OPEN[0] = False  # a kernel before 5.12: open as before
+            return os.open(path, _READ, dir_fd=self._dir)
 
     def _discard(
         self, fd: int, bucket: int, name: str, path: str, rlen: int, size: int, verdict: Verdict
