@@ -55,6 +55,13 @@ class HandleLedger:
             self._count[k] = n + 1
         self.handles += 1
 
+    def pin_resident(self, data: bytes) -> None:
+        """`pin(data, True)`: a handle now holds `data`, which the RAM tier holds (a hit)."""
+        count = self._count
+        k = id(data)
+        count[k] = count.get(k, 0) + 1
+        self.handles += 1
+
     def unpin(self, data: bytes) -> None:
         """A handle that held `data` was released."""
         k = id(data)

@@ -59,36 +59,58 @@ _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
+class _Pass:
+    """What a synchronous hit path (`_hit_<name>`) returns when the handler must answer."""
+
+
+PASS = _Pass()
+
+
 def _guarded(
-    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | None] | None = None
+    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | _Pass] | None = None
 ) -> Callable[..., Awaitable[T]]:
     """Turn a bug in a handler into EIO plus a logged traceback.
 
     pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
     the whole mount down, which for a training job is far worse than one failed read.
     `hit`: the handler's synchronous hit path (`_hit_<name>`), tried first, so that a hit
-    costs no coroutine beyond this one; None from it: the handler answers.
+    costs no coroutine beyond this one; PASS from it: the handler answers.
     """
 
     name = fn.__name__
 
+    if hit is None:
+
+        @functools.wraps(fn)
+        async def handler(self: Operations, *args: object) -> T:
+            counts = self.metrics.requests  # stats.json `requests`: requests per sample
+            counts[name] = counts.get(name, 0) + 1
+            try:
+                return await fn(self, *args)
+            except (pyfuse3.FUSEError, trio.Cancelled):
+                raise
+            except Exception:
+                log.exception("%s failed; answering EIO", name)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+
+        return handler
+
     @functools.wraps(fn)
-    async def handler(self: Operations, *args: object) -> T:
-        counts = self.metrics.requests  # stats.json `requests`: requests per sample
+    async def hit_first(self: Operations, *args: object) -> T:
+        counts = self.metrics.requests
         counts[name] = counts.get(name, 0) + 1
         try:
-            if hit is not None:
-                got = hit(self, *args)
-                if got is not None:
-                    return got
+            got = hit(self, *args)
+            if got is not PASS:
+                return got  # type: ignore[return-value]  # (not PASS: a T)
             return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):
             raise
         except Exception:
-            log.exception("%s failed; answering EIO", fn.__name__)
+            log.exception("%s failed; answering EIO", name)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
-    return handler
+    return hit_first
 
 
 def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
@@ -225,25 +247,25 @@ class Operations(ReadOnly):
 
     def _hit_open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.FileInfo | None:
+    ) -> pyfuse3.FileInfo | _Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
         an open verified since its node last changed (fs/opened.py; an evicted entry's
         record goes with it). The node's check must not be due, its pages not `unsure`, and
-        the file still RAM's to serve (not blocks', after a budget shrank). None: `open`."""
+        the file still RAM's to serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
         if rec is None or flags & _WRITE_FLAGS:
-            return None
-        entry, checked = rec
-        cache = self.cache
+            return PASS
+        entry, checked, i = rec
+        cache, ns = self.cache, self.ns
         if (
-            time.monotonic() - checked >= self.ns.revalidate
-            or inode in self.ns.unsure
+            time.monotonic() - checked >= ns.revalidate
+            or inode in ns.unsure
             or entry.sig.size > cache.ram_max
         ):
-            return None
+            return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
-        cache.hit(inode, entry, ctx.pid)
+        cache.hit(inode, entry, ctx.pid, i)
         fh = self._next_fh
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
@@ -326,7 +348,9 @@ class Operations(ReadOnly):
         at `path`, checked at `checked`): the hit path in `open` serves it while the record
         lasts (the namespace drops it when the node changes, the cache with the entry)."""
         if entry.sig == Signature.of(st) and entry.where == hash(path):
-            self._verified[inode] = (entry, checked)
+            # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
+            i = self.cache.readers.tracker.id_of.get(inode, -1)
+            self._verified[inode] = (entry, checked, -1 if i is None else i)
         # (else read through another path or version: the cache decides at each open)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
@@ -398,6 +422,16 @@ class Operations(ReadOnly):
             return self.control.read(fh, off, size)
         self.metrics.bytes_served += len(chunk)
         return chunk
+
+    def _hit_release(self, fh: FileHandleT) -> None | _Pass:
+        """The release of a handle that serves resident bytes (every hit's): no coroutine
+        beyond the handler's (`_guarded`). PASS: `release`."""
+        mv = self._mem.pop(fh, None)
+        if mv is None:
+            return PASS
+        del self._inode_of[fh]
+        self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
+        return None
 
     async def release(self, fh: FileHandleT) -> None:
         self._inode_of.pop(fh, None)

@@ -132,6 +132,26 @@ class RankBuckets:
         if self._entries > 4 * self.live + _SLACK:
             self.compact()
 
+    def move(self, i: int, r: int) -> None:
+        """Put id `i` at the tail of the bucket of rank `r` if it is resident and in
+        another bucket (a read: the hit path's `place`, with nothing to grow)."""
+        rank = self._rank
+        old = rank[i] if i < len(rank) else 0
+        if old == 0 or old == r + 1:
+            return
+        logs = self._logs
+        logs[old - 1][self._pos[i]] = -1  # the entry it leaves dies
+        bucket = logs.get(r)
+        if bucket is None:
+            bucket = logs[r] = array("q")
+            self._heads[r] = 0
+        self._pos[i] = len(bucket)
+        bucket.append(i)
+        rank[i] = r + 1
+        self._entries += 1
+        if self._entries > 4 * self.live + _SLACK:
+            self.compact()
+
     def drop(self, i: int) -> None:
         """Id `i` is no longer resident (its log entries die)."""
         old = self._rank[i] if i < len(self._rankv) else 0

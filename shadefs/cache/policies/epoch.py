@@ -102,18 +102,13 @@ class EpochPolicy(Policy):
         t = self.tracker
         if self._generation != t.generation:
             self._fresh()
-        buckets = self._buckets
         if key == t.read_key:
-            i, r = t.read_id, t.read_rank
-            old = buckets.rank_of(i)
-            if old < 0 or old == r:
-                return  # not resident here, or its rank did not move (a replay)
-        else:
-            j = t.id_of.get(key)
-            if j is None or buckets.rank_of(j) < 0:
-                return
-            i, r = j, t.rank(j)
-        buckets.place(i, r)
+            # (not resident here, or its rank did not move (a replay): no move)
+            self._buckets.move(t.read_id, t.read_rank)
+            return
+        j = t.id_of.get(key)
+        if j is not None:
+            self._buckets.move(j, t.rank(j))
 
     # --- what the cache asks -------------------------------------------------------------
 
