@@ -88,7 +88,7 @@ class Cache:
         # Entries that an open found to be their node's version, with the node's check
         # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
         # The record also holds the file's tracker id (-1: unknown), which the hit passes on.
-        self.reopens: dict[int, tuple[Entry, float, int]] = {}
+        self.reopens: dict[int, tuple[Entry, float, int, bytes]] = {}
         self.used = self.admitted = self.evictions = self.refused = 0  # bytes; counters
         self.shared_fetches = self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
@@ -169,11 +169,12 @@ class Cache:
             self._pin(key, got)
         return got
 
-    def hit(self, key: int, entry: Entry, pid: int, i: int = -1) -> None:
+    def hit(self, key: int, data: bytes, pid: int, i: int = -1) -> None:
         """An open of `key` (tracker id `i`, -1: unknown) by reader `pid` that the caller
-        found `entry` (resident) to serve: what `open_entry` does on a RAM hit, without
-        checking it again (the data path's verified reopen, fs/operations.py). `_read`
-        and `_hit` written out: this runs on every warm open."""
+        found the resident entry whose bytes are `data` (whole) to serve: what
+        `open_entry` does on a RAM hit, without checking it again (the data path's
+        verified reopen, fs/operations.py). `_read` and `_hit` written out: this runs on
+        every warm open."""
         reader = self.readers.read(key, pid, i)
         pf = self.prefetcher
         if pf is not None and (pf.plans or pf.holds.left):
@@ -186,8 +187,8 @@ class Cache:
         if ssd is not None:
             ssd.policy.accessed(key, key in ssd.index, job)
         reader.hits += 1
-        reader.bytes += entry.sig.size
-        self.handles.pin_resident(entry.data)
+        reader.bytes += len(data)
+        self.handles.pin_resident(data)
 
     def _read(self, key: int, pid: int) -> Job:
         """The readers' read (before the policies hear of it), and the prefetcher's."""

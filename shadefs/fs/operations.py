@@ -145,7 +145,9 @@ class Operations(ReadOnly):
         self.metrics = metrics
         self.source = source
         self.xattrs = Xattrs(ns, source)
-        self._mem: dict[FileHandleT, memoryview] = {}
+        # A RAM handle's bytes: a hit's until its first read makes them a memoryview (a
+        # warm open is mostly served by the kernel's pages alone and never reads).
+        self._mem: dict[FileHandleT, memoryview | bytes] = {}
         self._fds: dict[FileHandleT, int] = {}
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
@@ -255,21 +257,23 @@ class Operations(ReadOnly):
         rec = self._verified.get(inode)
         if rec is None or flags & _WRITE_FLAGS:
             return PASS
-        entry, checked, i = rec
+        # (The record's fields by index, its entry untouched: each object read is a likely
+        # cache miss on a warm open, where the kernel and the readers ran in between.)
+        data = rec[3]
         cache, ns = self.cache, self.ns
         if (
-            time.monotonic() - checked >= ns.revalidate
+            time.monotonic() - rec[1] >= ns.revalidate
             or inode in ns.unsure
-            or entry.sig.size > cache.ram_max
+            or len(data) > cache.ram_max
         ):
             return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
-        cache.hit(inode, entry, ctx.pid, i)
+        cache.hit(inode, data, ctx.pid, rec[2])
         fh = self._next_fh
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
-        self._mem[fh] = memoryview(entry.data)  # unpinned at release
+        self._mem[fh] = data  # unpinned at release; a memoryview from its first read
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def open(
@@ -347,10 +351,11 @@ class Operations(ReadOnly):
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
         at `path`, checked at `checked`): the hit path in `open` serves it while the record
         lasts (the namespace drops it when the node changes, the cache with the entry)."""
-        if entry.sig == Signature.of(st) and entry.where == hash(path):
+        data = entry.data
+        if entry.sig == Signature.of(st) and entry.where == hash(path) and len(data) == st.st_size:
             # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
             i = self.cache.readers.tracker.id_of.get(inode, -1)
-            self._verified[inode] = (entry, checked, -1 if i is None else i)
+            self._verified[inode] = (entry, checked, -1 if i is None else i, data)
         # (else read through another path or version: the cache decides at each open)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
@@ -403,6 +408,8 @@ class Operations(ReadOnly):
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
+            if type(mv) is bytes:
+                mv = self._mem[fh] = memoryview(mv)
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
@@ -430,14 +437,14 @@ class Operations(ReadOnly):
         if mv is None:
             return PASS
         del self._inode_of[fh]
-        self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
+        self._unpin(mv if isinstance(mv, bytes) else cast(bytes, mv.obj))
         return None
 
     async def release(self, fh: FileHandleT) -> None:
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
-            self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
+            self._unpin(mv if isinstance(mv, bytes) else cast(bytes, mv.obj))
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:

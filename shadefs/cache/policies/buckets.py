@@ -9,7 +9,8 @@ at 256k entries (issue 20 wants `loop_lag_max_ms` <= 50 at 1.28 M samples).
 Here every structure per entry is a numpy column over dense ids or an `array('q')` log:
 
 - `rank[id]`: the rank of the id's bucket + 1 (0: not resident); `pos[id]`: the id's
-  index in its bucket's log; `born[id]`: its index in the residency log. The columns grow
+  index in its bucket's log (the two side by side: a read's move touches one cache line
+  for both); `born[id]`: its index in the residency log. The columns grow
   to the tracker's capacity at once, over anonymous memory mapped zero pages that are only
   touched when written (filling three columns of 2 M ids with -1, or calloc reusing freed
   heap memory and clearing it, held the loop 17-50 ms);
@@ -71,8 +72,7 @@ class RankBuckets:
     """Ids in buckets by rank, oldest first within one; the lowest rank walked first."""
 
     def __init__(self) -> None:
-        self._rankv = _zeros(64)  # rank + 1 (0: not resident)
-        self._posv = _zeros(64)
+        self._pair(_zeros(2 * 64))
         self._bornv = _zeros(64)
         self._views()
         self._born: array[int] = array("q")  # ids in the order they became resident
@@ -80,6 +80,13 @@ class RankBuckets:
         self._heads: dict[int, int] = {}  # rank -> the index of its first entry maybe live
         self.live = 0  # resident ids
         self._entries = 0  # entries in all logs, dead or live
+
+    def _pair(self, both: np.ndarray) -> None:
+        """`rank` (+ 1; 0: not resident) and `pos` of an id side by side in one column of
+        pairs: a read's move reads both, from one cache line rather than two."""
+        self._both = both.reshape(-1, 2)
+        self._rankv = self._both[:, 0]
+        self._posv = self._both[:, 1]
 
     def _views(self) -> None:
         # Memoryviews: indexing one gives a Python int at a third of a numpy scalar's cost
@@ -95,10 +102,12 @@ class RankBuckets:
         if ids <= old:
             return
         cap = max(ids, 2 * old)
-        for name in ("_rankv", "_posv", "_bornv"):
-            new = _zeros(cap)
-            new[:old] = getattr(self, name)
-            setattr(self, name, new)
+        both = _zeros(2 * cap)
+        both[: 2 * old] = self._both.reshape(-1)
+        self._pair(both)
+        born = _zeros(cap)
+        born[:old] = self._bornv
+        self._bornv = born
         self._views()
 
     def rank_of(self, i: int) -> int:
