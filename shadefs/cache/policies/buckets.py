@@ -161,6 +161,56 @@ class RankBuckets:
         if self._entries > 4 * self.live + _SLACK:
             self.compact()
 
+    def move_many(self, ids: np.ndarray, ranks: np.ndarray) -> None:
+        """`move(ids[k], ranks[k])` for k in order (int64 arrays), in numpy: the policy's
+        logged reads. Nothing may be placed or dropped among them (the policy takes its
+        log in before a place): an id's residency holds for the whole batch."""
+        if not len(ids):
+            return
+        keep = ids < len(self._rankv)
+        ids, ranks = ids[keep], ranks[keep]
+        keep = self._rankv[ids] != 0  # resident (a move of another id is a no-op)
+        ids, ranks = ids[keep], ranks[keep]
+        n = len(ids)
+        if not n:
+            return
+        # Per id in log order, the rank it had before each read: a read moves it only
+        # when the rank differs, and it ends at its last such read.
+        order = np.lexsort((np.arange(n), ids))
+        sid, srank = ids[order], ranks[order]
+        prev = np.empty(n, dtype=np.int64)
+        prev[1:] = srank[:-1]
+        first = np.ones(n, dtype=bool)
+        first[1:] = sid[1:] != sid[:-1]
+        prev[first] = self._rankv[sid[first]] - 1
+        changed = np.flatnonzero(srank != prev)
+        if not len(changed):
+            return
+        cid = sid[changed]
+        last = np.ones(len(changed), dtype=bool)
+        last[:-1] = cid[:-1] != cid[1:]
+        at = np.sort(order[changed[last]])  # each moved id's last move, in log order
+        ids, new = ids[at], ranks[at] + 1
+        old = self._rankv[ids]
+        pos = self._posv[ids]
+        for r in np.unique(old).tolist():  # the entries they leave die
+            view = np.frombuffer(self._logs[r - 1], dtype=np.int64)
+            view[pos[old == r]] = -1
+            del view  # (a log that exports its buffer cannot grow)
+        for r in np.unique(new).tolist():  # appended in order, per bucket
+            joined = ids[new == r]
+            bucket = self._logs.get(r - 1)
+            if bucket is None:
+                bucket = self._logs[r - 1] = array("q")
+                self._heads[r - 1] = 0
+            start = len(bucket)
+            bucket.frombytes(joined.tobytes())
+            self._posv[joined] = np.arange(start, start + len(joined))
+        self._rankv[ids] = new
+        self._entries += len(ids)
+        if self._entries > 4 * self.live + _SLACK:
+            self.compact()
+
     def drop(self, i: int) -> None:
         """Id `i` is no longer resident (its log entries die)."""
         old = self._rank[i] if i < len(self._rankv) else 0
