@@ -73,9 +73,10 @@ class HandleLedger:
             self._count[k] = n - 1
             return
         del self._count[k]
-        size = self._outside.pop(k, None)
-        if size is not None:
-            self.held -= size
+        if self._outside:  # (mostly empty: bytes that the RAM tier dropped while held)
+            size = self._outside.pop(k, None)
+            if size is not None:
+                self.held -= size
 
     def evicted(self, data: bytes) -> None:
         """The RAM tier dropped `data`: from now on only its handles keep it alive."""

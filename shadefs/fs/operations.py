@@ -158,6 +158,7 @@ class Operations(ReadOnly):
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin
         self._next_fh = 1
+        self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -274,7 +275,11 @@ class Operations(ReadOnly):
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
         self._mem[fh] = data  # unpinned at release; a memoryview from its first read
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
+        # handler returns, before any other request runs (no allocation per open).
+        fi = self._hit_info
+        fi.fh = fh
+        return fi
 
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
