@@ -16,17 +16,14 @@ Every write-type operation fails with EROFS; only the control file takes writes.
 from __future__ import annotations
 
 import errno
-import functools
-import inspect
 import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar, cast
+from collections.abc import Sequence
+from typing import cast
 
 import pyfuse3
-import trio
 from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
@@ -38,6 +35,7 @@ from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
+from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import invalidate_attrs
 from shadefs.fs.namespace import Namespace
@@ -49,8 +47,6 @@ from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-OpsT = TypeVar("OpsT")
 
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
@@ -59,68 +55,7 @@ _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-class _Pass:
-    """What a synchronous hit path (`_hit_<name>`) returns when the handler must answer."""
-
-
-PASS = _Pass()
-
-
-def _guarded(
-    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | _Pass] | None = None
-) -> Callable[..., Awaitable[T]]:
-    """Turn a bug in a handler into EIO plus a logged traceback.
-
-    pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
-    the whole mount down, which for a training job is far worse than one failed read.
-    `hit`: the handler's synchronous hit path (`_hit_<name>`), tried first, so that a hit
-    costs no coroutine beyond this one; PASS from it: the handler answers.
-    """
-
-    name = fn.__name__
-
-    if hit is None:
-
-        @functools.wraps(fn)
-        async def handler(self: Operations, *args: object) -> T:
-            counts = self.metrics.requests  # stats.json `requests`: requests per sample
-            counts[name] = counts.get(name, 0) + 1
-            try:
-                return await fn(self, *args)
-            except (pyfuse3.FUSEError, trio.Cancelled):
-                raise
-            except Exception:
-                log.exception("%s failed; answering EIO", name)
-                raise pyfuse3.FUSEError(errno.EIO) from None
-
-        return handler
-
-    @functools.wraps(fn)
-    async def hit_first(self: Operations, *args: object) -> T:
-        counts = self.metrics.requests
-        counts[name] = counts.get(name, 0) + 1
-        try:
-            got = hit(self, *args)
-            if got is not PASS:
-                return got  # type: ignore[return-value]  # (not PASS: a T)
-            return await fn(self, *args)
-        except (pyfuse3.FUSEError, trio.Cancelled):
-            raise
-        except Exception:
-            log.exception("%s failed; answering EIO", name)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    return hit_first
-
-
-def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
-    for name, fn in {**vars(ReadOnly), **vars(cls)}.items():
-        if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
-            setattr(cls, name, _guarded(fn, vars(cls).get(f"_hit_{name}")))
-    return cls
-
-
-@_guard_handlers
+@guard_handlers
 class Operations(ReadOnly):
     """Request handlers. `handles` maps an open file to its bytes or a source descriptor."""
 
@@ -250,7 +185,7 @@ class Operations(ReadOnly):
 
     def _hit_open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.FileInfo | _Pass:
+    ) -> pyfuse3.FileInfo | Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
         an open verified since its node last changed (fs/opened.py; an evicted entry's
         record goes with it). The node's check must not be due, its pages not `unsure`, and
@@ -435,7 +370,7 @@ class Operations(ReadOnly):
         self.metrics.bytes_served += len(chunk)
         return chunk
 
-    def _hit_release(self, fh: FileHandleT) -> None | _Pass:
+    def _hit_release(self, fh: FileHandleT) -> None | Pass:
         """The release of a handle that serves resident bytes (every hit's): no coroutine
         beyond the handler's (`_guarded`). PASS: `release`."""
         mv = self._mem.pop(fh, None)
