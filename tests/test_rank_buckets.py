@@ -149,3 +149,73 @@ def test_after_a_recount_victims_follow_the_trackers_ranks_oldest_first(jobs: in
     expected = sorted(resident, key=lambda k: t.rank(t.id_of[k]))  # stable: oldest first
     assert policy.shrink(capacity * 10) == expected
     assert len({t.rank(t.id_of[k]) for k in resident}) > 1  # the order was not trivial
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_moves_taken_in_a_batch_end_where_moves_one_at_a_time_put_them(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`move_many` (the policy's logged reads) against `move` per read: each read sets
+    its id's rank, ids repeat within a batch, some are not resident, a drop comes between
+    (unlogged, as `removed`) and a place drains the log first (as `inserted`)."""
+    monkeypatch.setattr(buckets_mod, "_SLACK", 8)  # compact often, also inside a batch
+    rng = np.random.default_rng(seed)
+    ids, ranks = 50, 5
+    one, batch = RankBuckets(), RankBuckets()
+    table = np.zeros(ids, dtype=np.int64)
+    log: list[tuple[int, int]] = []
+
+    def drain() -> None:
+        pairs = np.array(log, dtype=np.int64).reshape(-1, 2)
+        batch.move_many(pairs[:, 0].copy(), pairs[:, 1].copy())
+        log.clear()
+
+    moved = 0
+    for step in range(5000):
+        op = rng.random()
+        i = int(rng.integers(ids))
+        if op < 0.7:  # a read: its rank moves (or not), logged
+            table[i] = int(rng.integers(ranks))
+            moved += one.rank_of(i) not in (-1, int(table[i]))
+            one.move(i, int(table[i]))
+            log.append((i, int(table[i])))
+        elif op < 0.85:
+            one.drop(i)
+            batch.drop(i)
+        elif op < 0.95:
+            drain()
+            one.place(i, int(table[i]))
+            batch.place(i, int(table[i]))
+        if op >= 0.95 or len(log) > int(rng.integers(1, 40)):
+            drain()
+            assert list(batch.walk()) == list(one.walk()), step
+            assert [batch.rank_of(j) for j in range(ids)] == [one.rank_of(j) for j in range(ids)]
+    drain()
+    assert list(batch.walk()) == list(one.walk())
+    assert batch.live == one.live and moved > 500
+
+
+def test_the_policy_moves_its_logged_reads_before_it_chooses_victims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same reads give the same victims whether each read moves its entry at once
+    (a log of one) or the log waits for `admit` / `shrink`."""
+    from shadefs.cache.policies import epoch as epoch_mod
+
+    def victims(moves: int) -> list[int]:
+        monkeypatch.setattr(epoch_mod, "_MOVES", 2 * moves)
+        policy = EpochPolicy()
+        t = policy.tracker
+        for key in range(30):
+            t.read(key, 0)
+            policy.accessed(key, False, 0)
+            policy.inserted(key, 1)
+        for key, hit in ((3, True), (100, False), (17, True), (5, True), (29, True), (17, True)):
+            # 3 begins the next epoch (a recount); 100 is not resident; then ranks move,
+            # and the second 17 is a re-read within the epoch (its rank stays)
+            t.read(key, 0)
+            policy.accessed(key, hit, 0)
+        assert len(policy._moved) == (0 if moves == 1 else 2 * 6)
+        return policy.shrink(12)
+
+    assert victims(1) == victims(1 << 20)

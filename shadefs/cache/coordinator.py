@@ -87,7 +87,8 @@ class Cache:
         self.entries: dict[int, Entry] = {}
         # Entries that an open found to be their node's version, with the node's check
         # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
-        self.reopens: dict[int, tuple[Entry, float]] = {}
+        # A record: (entry, check time, the file's tracker id or -1, the entry's bytes).
+        self.reopens: dict[int, tuple[Entry, float, int, bytes]] = {}
         self.used = self.admitted = self.evictions = self.refused = 0  # bytes; counters
         self.shared_fetches = self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
@@ -159,7 +160,7 @@ class Cache:
         entry = self.entries.get(key)
         if entry is not None:
             if entry.sig == sig and entry.where == hash(path):
-                self._hit(key, entry, reader)
+                self._hit(key, entry.data, entry.sig.size, reader)
                 return entry
             log.debug("RAM entry for %r is stale, dropping it", path)
             self._remove(key)
@@ -168,21 +169,21 @@ class Cache:
             self._pin(key, got)
         return got
 
-    def hit(self, key: int, entry: Entry, pid: int) -> None:
-        """An open of `key` by reader `pid` that the caller found `entry` (resident) to
-        serve: what `open_entry` does on a RAM hit, without checking it again (the data
-        path's verified reopen, fs/operations.py)."""
-        self._hit(key, entry, self._read(key, pid))
+    def hit(self, key: int, data: bytes, pid: int, i: int = -1) -> None:
+        """What `open_entry` does on a RAM hit of `key` (tracker id `i`, -1: unknown) by
+        reader `pid`, whose resident bytes `data` (whole) the caller found to serve,
+        without checking them again (the data path's verified reopen, fs/operations.py)."""
+        self._hit(key, data, len(data), self._read(key, pid, i))
 
-    def _read(self, key: int, pid: int) -> Job:
+    def _read(self, key: int, pid: int, i: int = -1) -> Job:
         """The readers' read (before the policies hear of it), and the prefetcher's."""
-        reader = self.readers.read(key, pid)
+        reader = self.readers.read(key, pid, i)
         pf = self.prefetcher
         if pf is not None and (pf.plans or pf.holds.left):
             pf.observe(key)
         return reader
 
-    def _hit(self, key: int, entry: Entry, reader: Job) -> None:
+    def _hit(self, key: int, data: bytes, size: int, reader: Job) -> None:
         """Count a RAM hit, tell both tiers' policies of it, and pin its bytes."""
         self.metrics.hits += 1
         self.ram_hits += 1
@@ -192,8 +193,8 @@ class Cache:
         if ssd is not None:
             ssd.policy.accessed(key, key in ssd.index, job)
         reader.hits += 1
-        reader.bytes += entry.sig.size
-        self.handles.pin(entry.data, True)
+        reader.bytes += size
+        self.handles.pin_resident(data)
 
     def _pin(self, key: int, got: Entry) -> None:
         entry = self.entries.get(key)

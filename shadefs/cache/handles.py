@@ -55,6 +55,13 @@ class HandleLedger:
             self._count[k] = n + 1
         self.handles += 1
 
+    def pin_resident(self, data: bytes) -> None:
+        """`pin(data, True)`: a handle now holds `data`, which the RAM tier holds (a hit)."""
+        count = self._count
+        k = id(data)
+        count[k] = count.get(k, 0) + 1
+        self.handles += 1
+
     def unpin(self, data: bytes) -> None:
         """A handle that held `data` was released."""
         k = id(data)
@@ -66,9 +73,10 @@ class HandleLedger:
             self._count[k] = n - 1
             return
         del self._count[k]
-        size = self._outside.pop(k, None)
-        if size is not None:
-            self.held -= size
+        if self._outside:  # (mostly empty: bytes that the RAM tier dropped while held)
+            size = self._outside.pop(k, None)
+            if size is not None:
+                self.held -= size
 
     def evicted(self, data: bytes) -> None:
         """The RAM tier dropped `data`: from now on only its handles keep it alive."""

@@ -16,17 +16,14 @@ Every write-type operation fails with EROFS; only the control file takes writes.
 from __future__ import annotations
 
 import errno
-import functools
-import inspect
 import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar, cast
+from collections.abc import Sequence
+from typing import cast
 
 import pyfuse3
-import trio
 from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
@@ -38,6 +35,7 @@ from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
+from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import invalidate_attrs, push_pages
 from shadefs.fs.namespace import Namespace
@@ -49,8 +47,6 @@ from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-OpsT = TypeVar("OpsT")
 
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
@@ -59,46 +55,7 @@ _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
-def _guarded(
-    fn: Callable[..., Awaitable[T]], hit: Callable[..., T | None] | None = None
-) -> Callable[..., Awaitable[T]]:
-    """Turn a bug in a handler into EIO plus a logged traceback.
-
-    pyfuse3 only catches FUSEError: any other exception leaves its request loop and takes
-    the whole mount down, which for a training job is far worse than one failed read.
-    `hit`: the handler's synchronous hit path (`_hit_<name>`), tried first, so that a hit
-    costs no coroutine beyond this one; None from it: the handler answers.
-    """
-
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    async def handler(self: Operations, *args: object) -> T:
-        counts = self.metrics.requests  # stats.json `requests`: requests per sample
-        counts[name] = counts.get(name, 0) + 1
-        try:
-            if hit is not None:
-                got = hit(self, *args)
-                if got is not None:
-                    return got
-            return await fn(self, *args)
-        except (pyfuse3.FUSEError, trio.Cancelled):
-            raise
-        except Exception:
-            log.exception("%s failed; answering EIO", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    return handler
-
-
-def _guard_handlers(cls: type[OpsT]) -> type[OpsT]:
-    for name, fn in {**vars(ReadOnly), **vars(cls)}.items():
-        if inspect.iscoroutinefunction(fn) and not name.startswith("_"):
-            setattr(cls, name, _guarded(fn, vars(cls).get(f"_hit_{name}")))
-    return cls
-
-
-@_guard_handlers
+@guard_handlers
 class Operations(ReadOnly):
     """Request handlers. `handles` maps an open file to its bytes or a source descriptor."""
 
@@ -123,7 +80,9 @@ class Operations(ReadOnly):
         self.metrics = metrics
         self.source = source
         self.xattrs = Xattrs(ns, source)
-        self._mem: dict[FileHandleT, memoryview] = {}
+        # A RAM handle's bytes: a hit's until its first read makes them a memoryview (a
+        # warm open is mostly served by the kernel's pages alone and never reads).
+        self._mem: dict[FileHandleT, memoryview | bytes] = {}
         self._fds: dict[FileHandleT, int] = {}
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
@@ -134,6 +93,7 @@ class Operations(ReadOnly):
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin
         self._next_fh = 1
+        self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -225,30 +185,36 @@ class Operations(ReadOnly):
 
     def _hit_open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.FileInfo | None:
+    ) -> pyfuse3.FileInfo | Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
         an open verified since its node last changed (fs/opened.py; an evicted entry's
         record goes with it). The node's check must not be due, its pages not `unsure`, and
-        the file still RAM's to serve (not blocks', after a budget shrank). None: `open`."""
+        the file still RAM's to serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
         if rec is None or flags & _WRITE_FLAGS:
-            return None
-        entry, checked = rec
-        cache = self.cache
+            return PASS
+        # (The record's fields by index, its entry untouched: each object read is a likely
+        # cache miss on a warm open, where the kernel and the readers ran in between.)
+        data = rec[3]
+        cache, ns = self.cache, self.ns
         if (
-            time.monotonic() - checked >= self.ns.revalidate
-            or inode in self.ns.unsure
-            or entry.sig.size > cache.ram_max
+            time.monotonic() - rec[1] >= ns.revalidate
+            or inode in ns.unsure
+            or len(data) > cache.ram_max
         ):
-            return None
+            return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
-        cache.hit(inode, entry, ctx.pid)
+        cache.hit(inode, data, ctx.pid, rec[2])
         fh = self._next_fh
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
-        self._mem[fh] = memoryview(entry.data)  # unpinned at release
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        self._mem[fh] = data  # unpinned at release; a memoryview from its first read
+        # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
+        # handler returns, before any other request runs (no allocation per open).
+        fi = self._hit_info
+        fi.fh = fh
+        return fi
 
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
@@ -328,8 +294,11 @@ class Operations(ReadOnly):
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
         at `path`, checked at `checked`): the hit path in `open` serves it while the record
         lasts (the namespace drops it when the node changes, the cache with the entry)."""
-        if entry.sig == Signature.of(st) and entry.where == hash(path):
-            self._verified[inode] = (entry, checked)
+        data = entry.data
+        if entry.sig == Signature.of(st) and entry.where == hash(path) and len(data) == st.st_size:
+            # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
+            i = self.cache.readers.tracker.id_of.get(inode, -1)
+            self._verified[inode] = (entry, checked, -1 if i is None else i, data)
         # (else read through another path or version: the cache decides at each open)
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
@@ -382,6 +351,8 @@ class Operations(ReadOnly):
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
+            if type(mv) is bytes:
+                mv = self._mem[fh] = memoryview(mv)
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
@@ -402,11 +373,21 @@ class Operations(ReadOnly):
         self.metrics.bytes_served += len(chunk)
         return chunk
 
+    def _hit_release(self, fh: FileHandleT) -> None | Pass:
+        """The release of a handle that serves resident bytes (every hit's): no coroutine
+        beyond the handler's (`_guarded`). PASS: `release`."""
+        mv = self._mem.pop(fh, None)
+        if mv is None:
+            return PASS
+        del self._inode_of[fh]
+        self._unpin(mv if isinstance(mv, bytes) else cast(bytes, mv.obj))
+        return None
+
     async def release(self, fh: FileHandleT) -> None:
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
-            self._unpin(mv.obj)  # type: ignore[arg-type]  # (a memoryview of bytes)
+            self._unpin(mv if isinstance(mv, bytes) else cast(bytes, mv.obj))
             return
         fd = self._fds.pop(fh, None)
         if fd is not None:

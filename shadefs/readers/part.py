@@ -64,14 +64,15 @@ class Readers:
                 swept = now
                 self.expire(now)
 
-    def read(self, key: int, pid: int) -> Job:
-        """An open of `key` by reader `pid` (the cache's hit path: keep it short): its job,
-        with the read counted in the pending reads, the tracker and the job's log."""
+    def read(self, key: int, pid: int, i: int = -1) -> Job:
+        """An open of `key` (tracker id `i`, -1: unknown) by reader `pid` (the cache's hit
+        path: keep it short): its job, with the read counted in the pending reads, the
+        tracker and the job's log."""
         jobs, pending = self.jobs, self.pending
         job = jobs.pids.get(pid) or jobs.job_of(pid)
         if pending.epoch >= 0:  # some known order counts reads: take this one off
             pending.read(key, job.row)
-        self.tracker.read(key, job.row)
+        self.tracker.read(key, job.row, i)
         job.reads.append(key)  # the speculator's plans take them in (prefetch/speculate.py)
         return job
 

@@ -271,9 +271,10 @@ class Tracker:
 
     # --- reads ----------------------------------------------------------------------------
 
-    def read(self, key: int, row: int) -> bool:
-        """Job `row` opened `key`; True when that began the job's next epoch (inferred).
-        The hit path: a dict lookup and a few scalar updates of numpy columns."""
+    def read(self, key: int, row: int, i: int = -1) -> bool:
+        """Job `row` opened `key` (whose id is `i` when the caller knows it, -1: looked
+        up); True when that began the job's next epoch (inferred). The hit path: an id
+        lookup and a few scalar updates of numpy columns."""
         if row not in self.active:
             self.join(row)
         self.read_key = -1
@@ -281,9 +282,9 @@ class Tracker:
         if prev[row] == key:
             return False  # a reopen of the file it opened last: one read
         prev[row] = key
-        i = self.id_of.get(key)
-        if i is None:
-            i = self.id(key)
+        if i < 0:
+            got = self.id_of.get(key)
+            i = self.id(key) if got is None else got
         universe = self._universe[row]
         if not universe[i]:
             universe[i] = True

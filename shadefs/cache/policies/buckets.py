@@ -9,7 +9,8 @@ at 256k entries (issue 20 wants `loop_lag_max_ms` <= 50 at 1.28 M samples).
 Here every structure per entry is a numpy column over dense ids or an `array('q')` log:
 
 - `rank[id]`: the rank of the id's bucket + 1 (0: not resident); `pos[id]`: the id's
-  index in its bucket's log; `born[id]`: its index in the residency log. The columns grow
+  index in its bucket's log (the two side by side: a read's move touches one cache line
+  for both); `born[id]`: its index in the residency log. The columns grow
   to the tracker's capacity at once, over anonymous memory mapped zero pages that are only
   touched when written (filling three columns of 2 M ids with -1, or calloc reusing freed
   heap memory and clearing it, held the loop 17-50 ms);
@@ -71,8 +72,7 @@ class RankBuckets:
     """Ids in buckets by rank, oldest first within one; the lowest rank walked first."""
 
     def __init__(self) -> None:
-        self._rankv = _zeros(64)  # rank + 1 (0: not resident)
-        self._posv = _zeros(64)
+        self._pair(_zeros(2 * 64))
         self._bornv = _zeros(64)
         self._views()
         self._born: array[int] = array("q")  # ids in the order they became resident
@@ -80,6 +80,13 @@ class RankBuckets:
         self._heads: dict[int, int] = {}  # rank -> the index of its first entry maybe live
         self.live = 0  # resident ids
         self._entries = 0  # entries in all logs, dead or live
+
+    def _pair(self, both: np.ndarray) -> None:
+        """`rank` (+ 1; 0: not resident) and `pos` of an id side by side in one column of
+        pairs: a read's move reads both, from one cache line rather than two."""
+        self._both = both.reshape(-1, 2)
+        self._rankv = self._both[:, 0]
+        self._posv = self._both[:, 1]
 
     def _views(self) -> None:
         # Memoryviews: indexing one gives a Python int at a third of a numpy scalar's cost
@@ -95,10 +102,12 @@ class RankBuckets:
         if ids <= old:
             return
         cap = max(ids, 2 * old)
-        for name in ("_rankv", "_posv", "_bornv"):
-            new = _zeros(cap)
-            new[:old] = getattr(self, name)
-            setattr(self, name, new)
+        both = _zeros(2 * cap)
+        both[: 2 * old] = self._both.reshape(-1)
+        self._pair(both)
+        born = _zeros(cap)
+        born[:old] = self._bornv
+        self._bornv = born
         self._views()
 
     def rank_of(self, i: int) -> int:
@@ -129,6 +138,76 @@ class RankBuckets:
         bucket.append(i)
         rank[i] = r + 1
         self._entries += 1
+        if self._entries > 4 * self.live + _SLACK:
+            self.compact()
+
+    def move(self, i: int, r: int) -> None:
+        """Put id `i` at the tail of the bucket of rank `r` if it is resident and in
+        another bucket (a read: the hit path's `place`, with nothing to grow)."""
+        rank = self._rank
+        old = rank[i] if i < len(rank) else 0
+        if old == 0 or old == r + 1:
+            return
+        logs = self._logs
+        logs[old - 1][self._pos[i]] = -1  # the entry it leaves dies
+        bucket = logs.get(r)
+        if bucket is None:
+            bucket = logs[r] = array("q")
+            self._heads[r] = 0
+        self._pos[i] = len(bucket)
+        bucket.append(i)
+        rank[i] = r + 1
+        self._entries += 1
+        if self._entries > 4 * self.live + _SLACK:
+            self.compact()
+
+    def move_many(self, ids: np.ndarray, ranks: np.ndarray) -> None:
+        """`move(ids[k], ranks[k])` for k in order (int64 arrays), in numpy: the policy's
+        logged reads. Nothing may be placed or dropped among them (the policy takes its
+        log in before a place): an id's residency holds for the whole batch."""
+        if not len(ids):
+            return
+        keep = ids < len(self._rankv)
+        ids, ranks = ids[keep], ranks[keep]
+        keep = self._rankv[ids] != 0  # resident (a move of another id is a no-op)
+        ids, ranks = ids[keep], ranks[keep]
+        n = len(ids)
+        if not n:
+            return
+        # Per id in log order, the rank it had before each read: a read moves it only
+        # when the rank differs, and it ends at its last such read.
+        order = np.lexsort((np.arange(n), ids))
+        sid, srank = ids[order], ranks[order]
+        prev = np.empty(n, dtype=np.int64)
+        prev[1:] = srank[:-1]
+        first = np.ones(n, dtype=bool)
+        first[1:] = sid[1:] != sid[:-1]
+        prev[first] = self._rankv[sid[first]] - 1
+        changed = np.flatnonzero(srank != prev)
+        if not len(changed):
+            return
+        cid = sid[changed]
+        last = np.ones(len(changed), dtype=bool)
+        last[:-1] = cid[:-1] != cid[1:]
+        at = np.sort(order[changed[last]])  # each moved id's last move, in log order
+        ids, new = ids[at], ranks[at] + 1
+        old = self._rankv[ids]
+        pos = self._posv[ids]
+        for r in np.unique(old).tolist():  # the entries they leave die
+            view = np.frombuffer(self._logs[r - 1], dtype=np.int64)
+            view[pos[old == r]] = -1
+            del view  # (a log that exports its buffer cannot grow)
+        for r in np.unique(new).tolist():  # appended in order, per bucket
+            joined = ids[new == r]
+            bucket = self._logs.get(r - 1)
+            if bucket is None:
+                bucket = self._logs[r - 1] = array("q")
+                self._heads[r - 1] = 0
+            start = len(bucket)
+            bucket.frombytes(joined.tobytes())
+            self._posv[joined] = np.arange(start, start + len(joined))
+        self._rankv[ids] = new
+        self._entries += len(ids)
         if self._entries > 4 * self.live + _SLACK:
             self.compact()
 
