@@ -675,6 +675,8 @@ def more_targets(results: list[Result], table: dict[str, list[Limits]], cores: i
         ratio = g.steady / e.steady
         check(f"(g) <= {TARGET_G_VS_LOCAL} x (e), epochs 2+", ratio <= TARGET_G_VS_LOCAL,
               f"{g.steady:.2f} s vs {e.steady:.2f} s (ratio {ratio:.2f})")  # fmt: skip
+        if ratio > TARGET_G_VS_LOCAL:
+            print_cpu_bound(g, a, e, cores)
     else:
         check(f"(g) <= {TARGET_G_VS_LOCAL} x (e), epochs 2+", None, "(e) or (g) not run")
     for key, target in (("d", TARGET_EFF_D), ("f", TARGET_EFF_F)):
