@@ -130,16 +130,7 @@ class RankBuckets:
             born.append(i)
             self.live += 1
             self._entries += 1
-        bucket = self._logs.get(r)
-        if bucket is None:
-            bucket = self._logs[r] = array("q")
-            self._heads[r] = 0
-        self._pos[i] = len(bucket)
-        bucket.append(i)
-        rank[i] = r + 1
-        self._entries += 1
-        if self._entries > 4 * self.live + _SLACK:
-            self.compact()
+        self._to_tail(i, r)
 
     def move(self, i: int, r: int) -> None:
         """Put id `i` at the tail of the bucket of rank `r` if it is resident and in
@@ -148,15 +139,18 @@ class RankBuckets:
         old = rank[i] if i < len(rank) else 0
         if old == 0 or old == r + 1:
             return
-        logs = self._logs
-        logs[old - 1][self._pos[i]] = -1  # the entry it leaves dies
-        bucket = logs.get(r)
+        self._logs[old - 1][self._pos[i]] = -1  # the entry it leaves dies
+        self._to_tail(i, r)
+
+    def _to_tail(self, i: int, r: int) -> None:
+        """Append id `i` to the log of rank `r` and make that its place (`place`, `move`)."""
+        bucket = self._logs.get(r)
         if bucket is None:
-            bucket = logs[r] = array("q")
+            bucket = self._logs[r] = array("q")
             self._heads[r] = 0
         self._pos[i] = len(bucket)
         bucket.append(i)
-        rank[i] = r + 1
+        self._rank[i] = r + 1
         self._entries += 1
         if self._entries > 4 * self.live + _SLACK:
             self.compact()
