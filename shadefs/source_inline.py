@@ -116,9 +116,9 @@ class InlineReads:
     def _open(self, paths: Resolver, rel: bytes) -> int:
         try:
             return paths.open_cached(rel, self.flags)
-        except PermissionError:
-            if not self.flags & os.O_NOATIME:
-                raise
+        except PermissionError as exc:
+            if exc.errno != errno.EPERM or not self.flags & os.O_NOATIME:
+                raise  # (EACCES: the file is not readable, O_NOATIME or not)
             # O_NOATIME is the file owner's or CAP_FOWNER's: without it, atime is written.
             self.flags &= ~os.O_NOATIME
             return paths.open_cached(rel, self.flags)

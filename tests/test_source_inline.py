@@ -162,3 +162,26 @@ def test_it_can_be_switched_off(src: Path) -> None:
     walk = Source(os.fsencode(src), use_openat2=False)  # no openat2: no cached-only open
     assert not walk.inline.enabled
     assert isinstance(walk.inline, InlineReads)
+
+
+def test_noatime_is_dropped_only_where_the_kernel_refuses_it(
+    src: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_NOATIME is the file owner's or CAP_FOWNER's (EPERM for others): then files are
+    opened without it; an unreadable file (EACCES) keeps it for the others."""
+    s = Source(os.fsencode(src))
+    real = s.paths.open_cached
+    refused = {"code": errno.EACCES}
+
+    def open_cached(rel: bytes, flags: int) -> int:
+        if flags & os.O_NOATIME:
+            raise PermissionError(refused["code"], os.strerror(refused["code"]))
+        return real(rel, flags)
+
+    monkeypatch.setattr(s.paths, "open_cached", open_cached)
+    assert s.inline.read(s.paths, b"a/small.bin", None) is None  # EACCES: left to the thread
+    assert s.inline.flags & os.O_NOATIME
+    refused["code"] = errno.EPERM
+    got = s.inline.read(s.paths, b"a/small.bin", None)
+    assert got is not None and got[0] == SMALL
+    assert not s.inline.flags & os.O_NOATIME
