@@ -15,9 +15,8 @@ from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
 from shadefs.readers.pending import PendingReads
 from shadefs.sampling import wire
-from shadefs.sampling.registry import Sampling
 from shadefs.stats import Metrics
-from tests.test_pending import SIZE, _cache, _Source
+from tests.test_pending import SIZE, _cache, _Source, registered
 from tests.test_prefetch import _CountingSource, _plan
 
 
@@ -160,13 +159,8 @@ def test_nothing_is_held_without_a_group_reading() -> None:
 
 
 def test_a_groups_order_is_counted_for_its_members_at_the_first_request() -> None:
-    s = Sampling()
     n = 30
-
-    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        return np.arange(100, 100 + n, dtype=np.uint64), np.full(n, SIZE, dtype=np.int64)
-
-    trio.run(s.register, [f"f{i}" for i in range(n)], resolve)
+    s = registered(n)
     request = wire.OrderRequest(0, 0, 1, 7)
     share = s.order(request, lambda keys: np.zeros(n, bool), "sweep", job=0, members=3)
     assert int(s.pending.left.sum()) == 3 * len(share)  # its reads and two members' more

@@ -21,6 +21,17 @@ from shadefs.stats import Metrics
 SIZE = 1000
 
 
+def registered(n: int) -> Sampling:
+    """A sampling part with n samples f0..f(n-1) registered, keys 100.., SIZE bytes each."""
+    s = Sampling()
+
+    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(100, 100 + n, dtype=np.uint64), np.full(n, SIZE, dtype=np.int64)
+
+    trio.run(s.register, [f"f{i}" for i in range(n)], resolve)
+    return s
+
+
 class _Source:
     """1000-byte files named b"/<key>"; every fetch is counted."""
 
@@ -89,13 +100,8 @@ def test_each_job_counts_its_own_reads_and_epochs() -> None:
 
 
 def test_an_order_counts_every_entry_of_every_rank() -> None:
-    s = Sampling()
     n = 50
-
-    async def resolve(paths: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        return np.arange(100, 100 + n, dtype=np.uint64), np.full(n, SIZE, dtype=np.int64)
-
-    trio.run(s.register, [f"f{i}" for i in range(n)], resolve)
+    s = registered(n)
     s.set_replay(2.0)
     resident = np.zeros(n, dtype=bool)
     resident[:10] = True

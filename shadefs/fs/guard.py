@@ -44,30 +44,15 @@ def _guarded(
     name = fn.__name__
     log = logging.getLogger(fn.__module__)  # (the handler's module logs its bug)
 
-    if hit is None:
-
-        @functools.wraps(fn)
-        async def handler(self: Any, *args: object) -> T:
-            counts = self.metrics.requests  # stats.json `requests`: requests per sample
-            counts[name] = counts.get(name, 0) + 1
-            try:
-                return await fn(self, *args)
-            except (pyfuse3.FUSEError, trio.Cancelled):
-                raise
-            except Exception:
-                log.exception("%s failed; answering EIO", name)
-                raise pyfuse3.FUSEError(errno.EIO) from None
-
-        return handler
-
     @functools.wraps(fn)
-    async def hit_first(self: Any, *args: object) -> T:
-        counts = self.metrics.requests
+    async def handler(self: Any, *args: object) -> T:
+        counts = self.metrics.requests  # stats.json `requests`: requests per sample
         counts[name] = counts.get(name, 0) + 1
         try:
-            got = hit(self, *args)
-            if got is not PASS:
-                return got  # type: ignore[return-value]  # (not PASS: a T)
+            if hit is not None:
+                got = hit(self, *args)
+                if got is not PASS:
+                    return got  # type: ignore[return-value]  # (not PASS: a T)
             return await fn(self, *args)
         except (pyfuse3.FUSEError, trio.Cancelled):
             raise
@@ -75,7 +60,7 @@ def _guarded(
             log.exception("%s failed; answering EIO", name)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
-    return hit_first
+    return handler
 
 
 def guard_handlers(cls: type[OpsT]) -> type[OpsT]:
