@@ -215,7 +215,42 @@ def test_the_policy_moves_its_logged_reads_before_it_chooses_victims(
             # and the second 17 is a re-read within the epoch (its rank stays)
             t.read(key, 0)
             policy.accessed(key, hit, 0)
-        assert len(policy._moved) == (0 if moves == 1 else 2 * 6)
+        # (the miss of 100 logs nothing: there is no entry to move)
+        assert len(policy._moved) == (0 if moves == 1 else 2 * 5)
         return policy.shrink(12)
 
     assert victims(1) == victims(1 << 20)
+
+
+def test_an_entry_evicted_and_admitted_again_takes_none_of_its_old_logged_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read logged while an entry was resident must not move it after it was evicted
+    and admitted again at another rank (`inserted` does not take the log in first)."""
+    from shadefs.cache.policies import epoch as epoch_mod
+
+    def run(moves: int) -> tuple[list[int], int, int]:
+        monkeypatch.setattr(epoch_mod, "_MOVES", 2 * moves)
+        policy = EpochPolicy()
+        t = policy.tracker
+        for key in range(10):  # two jobs, each in its first epoch: ranks count both
+            t.read(key, 0)
+            t.read(key, 1)
+        t.read(0, 0)
+        t.read(0, 1)  # both in their next epoch: every file wanted twice
+        for key in range(1, 10):
+            policy.inserted(key, 1)
+        for key in (4, 6):
+            t.read(key, 0)
+            policy.accessed(key, True, 0)  # logged at "wanted once, done once"
+        policy.removed(4)
+        t.read(4, 1)  # the other job reads it too while it is out: "done twice"
+        policy.accessed(4, False, 1)
+        policy.inserted(4, 1)
+        policy._fresh()
+        i = t.id(4)
+        return policy.shrink(9), policy._buckets.rank_of(i), t.rank(i)
+
+    once, batched = run(1), run(1 << 20)
+    assert batched[1] == batched[2]  # its bucket is its rank now
+    assert once == batched

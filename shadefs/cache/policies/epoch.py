@@ -95,7 +95,10 @@ class EpochPolicy(Policy):
 
     def inserted(self, key: int, size: int) -> None:
         super().inserted(key, size)
-        self._fresh()
+        # The logged moves need not be taken in first (a numpy call per miss): they are of
+        # resident ids only, and `removed` took them in, so none is of this id.
+        if self._generation != self.tracker.generation:
+            self._fresh()
         t = self.tracker
         i = t.id(key)
         self._buckets.reserve(len(t.keys))  # at once: see buckets.py
@@ -106,15 +109,20 @@ class EpochPolicy(Policy):
         self.inserted(key, size)
 
     def removed(self, key: int) -> None:
-        super().removed(key)  # (a logged move of it finds it gone: nothing to move)
+        super().removed(key)
         i = self.tracker.id_of.get(key)
         if i is not None:
+            if self._moved:
+                # Its logged moves go first: re-admitted later, it must not take them.
+                self._fresh()
             self._buckets.drop(i)
 
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         # The tracker has taken the read in (the cache told it first): the entry moves to
         # the bucket of its new rank at the next call that reads the buckets (`_fresh`),
         # or once the log is full. Only an entry whose rank moved changes place.
+        if not hit:
+            return  # not resident: no entry to move (and `inserted` ranks it afresh)
         t = self.tracker
         if self._generation != t.generation:
             self._fresh()  # (the moves logged before the recount are the re-rank's)
