@@ -1,6 +1,6 @@
 """The daemon's CPU per opened file, against the floor of pyfuse3 + trio, in one run.
 
-    python tools/bench/bench_cpu.py [--files 20000] [--size 4096] [--readers 4]
+    python tools/bench/bench_cpu.py [--files 20000] [--size 4096] [--readers 4] [--rounds 3]
                                     [--profile DIR] [--only floor shadefs ...]
 
 The method (issue 21): FILES files of SIZE bytes on local disk, a RAM budget that holds all
@@ -8,6 +8,9 @@ of them. READERS reader processes read every file once in a shuffled order (cold
 open a miss), then twice more (warm: every open a hit). The figure is the daemon's own CPU
 time, utime + stime of all its threads from /proc/PID/stat, divided by the opens: it hardly
 depends on what else runs on the machine, unlike the wall-clock files/s printed beside it.
+It still moves by 10-20% from one pass to the next on a 2-core VM, so every config is
+measured `--rounds` times (3), in turn, and each line shows the round of the median ratio
+to the floor of the same round, with every round's ratio beside it.
 
 The floor is `floorfs.py` (beside this script): a minimal pyfuse3 + trio filesystem that
 serves the same tree from memory with keep_cache and long timeouts and does nothing else,
@@ -257,29 +260,49 @@ def per_sample(p: Pass) -> str:
     )
 
 
-def report(results: dict[str, tuple[Pass, Pass | None]], files: int, readers: int) -> None:
+Results = dict[str, tuple[Pass, Pass | None]]
+
+
+def report(rounds: Sequence[Results], files: int, readers: int) -> None:
+    """One line per config and pass: the round whose ratio to the floor (of the same round)
+    is the median, with every round's ratio beside it (one round: just its own)."""
     print(f"\n{files} files, {readers} readers; CPU = the daemon's utime+stime from /proc")
+    if len(rounds) > 1:
+        print(f"{len(rounds)} rounds, each config in turn; shown: the round of the median ratio")
     print(
         f"{'config':<14} {'pass':<5} {'us/open':>8} {'x floor':>8} {'trio':>6} "
         f"{'files/s/core':>13} {'files/s wall':>13} {'MB/s':>10}  requests per sample"
     )
-    floor = results.get("floor")
-    for name, (cold, warm) in results.items():
-        for label, p, base in (
-            ("cold", cold, floor and floor[0]),
-            ("warm", warm, floor and floor[1]),
-        ):
-            if p is None or not p.opens:
+    for name in rounds[0]:
+        for k, label in enumerate(("cold", "warm")):
+            runs: list[tuple[Pass, Pass | None]] = []
+            for r in rounds:
+                p, base = r[name][k], r["floor"][k] if "floor" in r else None
+                if p is not None and p.opens:
+                    runs.append((p, base))
+            if not runs:
                 continue
-            ratio = f"{p.us_per_open / base.us_per_open:.2f}" if base else "-"
+            ratios = sorted(
+                (p.us_per_open / base.us_per_open if base else 0.0, i)
+                for i, (p, base) in enumerate(runs)
+            )
+            median, at = ratios[(len(ratios) - 1) // 2]  # (the lower of two middles)
+            p, base = runs[at]
+            ratio = f"{median:.2f}" if base else "-"
+            spread = ""
+            if base and len(ratios) > 1:
+                in_order = sorted(ratios, key=lambda t: t[1])
+                spread = " [" + " ".join(f"{r:.2f}" for r, _ in in_order) + "]"
             print(
                 f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {ratio:>8} "
                 f"{p.trio_cpu / p.opens * 1e6:>6.0f} "
                 f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f} "
-                f"{p.nbytes / p.wall / 1e6:>10.0f}  {per_sample(p)}"
+                f"{p.nbytes / p.wall / 1e6:>10.0f}  {per_sample(p)}{spread}"
             )
     print("trio: us/open of the main thread (the trio loop); the rest ran in worker threads")
     print("(files/s wall depends on the machine's load; the CPU figures hardly do)")
+    if len(rounds) > 1:
+        print("[...]: x floor of every round, in order")
 
 
 def top_entries(path: Path, trio_us: float, n: int = 15) -> None:
@@ -342,6 +365,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--shadefs-args", nargs="+", default=[], metavar="ARG", help="more mount options"
     )
     ap.add_argument("--warm-all", action="store_true", help="warm passes for every config")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measure every config this many times, in turn (a 2-core VM's figures move by "
+        "10-20%% from one pass to the next); the report shows the median ratio",
+    )
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy every pass into DIR")
     ap.add_argument("--workdir", type=Path, help="where the tree goes (default: a temp dir)")
@@ -360,8 +390,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 # Misses that wait on the source: what the kernel's queue depth may bound.
                 opts = ["--read-latency", str(args.remote_latency), "--bandwidth", "0"]
                 src, _ = stack.enter_context(slowfs_mounted(src, Path(tmp) / "remote", opts))
-            results = {name: run_config(name, args, src, mnt, rels) for name in args.only}
-    report(results, args.files, args.readers)
+            rounds = [
+                {name: run_config(name, args, src, mnt, rels) for name in args.only}
+                for _ in range(max(1, args.rounds if args.profile is None else 1))
+            ]
+    report(rounds, args.files, args.readers)
     for path, p in PROFILES if not PERF else ():
         top_entries(path, p.trio_cpu / p.opens * 1e6)
 
