@@ -176,6 +176,7 @@ class Service:
         self.cache.start(nursery)
         nursery.start_soon(self.speculator.run)
         nursery.start_soon(self.loop_lag.run)
+        nursery.start_soon(self.namespace.relist)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 

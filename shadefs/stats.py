@@ -87,6 +87,7 @@ class NamespaceStats:
     changed_files: int
     inodes_known: int
     directories_listed: int
+    directories_relisted: int = 0  # listed because the kernel looked their names up one by one
 
 
 @dataclass(frozen=True, slots=True)

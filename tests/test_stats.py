@@ -24,7 +24,8 @@ TOP = {
     "misses", "hit_ratio", "bytes_served", "bytes_from_source", "ram_bytes", "ram_capacity",
     "ram_max_entry", "files_cached", "tiers", "admitted", "evictions", "refused",
     "passthrough_opens", "fetches_shared", "blocked_seconds", "handles", "revalidations",
-    "changed_files", "inodes_known", "directories_listed", "source_healthy", "source_timeouts",
+    "changed_files", "inodes_known", "directories_listed", "directories_relisted",
+    "source_healthy", "source_timeouts",
     "source_errors", "source_inline_reads", "control_errors", "sampler", "jobs", "source_fetches",
     "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
 }  # fmt: skip

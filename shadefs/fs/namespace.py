@@ -44,6 +44,7 @@ from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.kernel import forget_entry
 from shadefs.fs.opened import OpenRecords
 from shadefs.fs.records import Node
+from shadefs.fs.relisting import Relisting
 from shadefs.fs.resolving import Resolving
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.source import Source
@@ -63,7 +64,7 @@ class _Moved(Exception):
     """A directory's path leads to another directory now (raised in a worker thread)."""
 
 
-class Namespace(OpenRecords, InodeNumbers, Resolving):
+class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -96,6 +97,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
         # What opens read of a node, for its next open (fs/opened.py): dropped when its row,
         # stat or path changes (`_changed`: _move, forget, fresh_stat, stale, claim).
         self._init_records()
+        self._init_relisting()
         #: inodes whose kernel pages may be of another version than their row: the next
         #: open of each drops them (operations.py); small, only changed files are in it
         self.unsure: set[int] = set()
@@ -106,6 +108,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
             changed_files=self.changed_files,
             inodes_known=len(self.table),
             directories_listed=len(self.listings),
+            directories_relisted=self.relisted,
         )
 
     # --- the table ----------------------------------------------------------------------
@@ -148,6 +151,8 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             # Listed by the daemon for itself (speculation) before the name was made: answer
             # as if it were not listed, or a new file is missing by path until `revalidate`.
+        else:
+            self._want_listing(parent)  # (the names after this one: from that listing)
         # Not listed: ask the source about this one name, and keep its row on its own. The
         # name is looked up in the directory the parent is (its path may lead elsewhere now).
         psnap, pi = self.locate(parent)
@@ -274,6 +279,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
     def _drop_listing(self, ino: int) -> None:
         slot = self.listings.pop(ino, None)
         if slot is not None:
+            self._lost_listing(ino)
             snap = self._snaps[slot]
             assert snap is not None
             self._maybe_free(snap)
@@ -304,13 +310,14 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
         A snapshot older than `revalidate` is refreshed; if the source does not answer, the
         old snapshot is served (and a known outage skips the attempt altogether). `quiet`:
         for the daemon's own use; the snapshot is `shown` once the kernel is answered from it
-        (then it answers the lookup of a name it lacks, until it ages).
+        (then it answers the lookup of a name it lacks, until it ages), and a directory found
+        moved gives ESTALE without touching the kernel's entries.
         """
-        snap = await self._listing(ino)
+        snap = await self._listing(ino, quiet)
         snap.shown |= not quiet
         return snap
 
-    async def _listing(self, ino: int) -> Snapshot:
+    async def _listing(self, ino: int, quiet: bool) -> Snapshot:
         slot = self.listings.get(ino)
         if slot is not None:
             old = self._snaps[slot]
@@ -318,14 +325,14 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
             if time.monotonic() - old.stamp < self.revalidate or not self.source.healthy:
                 return old
             try:
-                return await self._list(ino)
+                return await self._list(ino, quiet)
             except pyfuse3.FUSEError as exc:
                 if exc.errno in _GONE:
                     raise
                 return old
-        return await self._list(ino)
+        return await self._list(ino, quiet)
 
-    async def _list(self, ino: int) -> Snapshot:
+    async def _list(self, ino: int, quiet: bool) -> Snapshot:
         while True:
             flight = self._listing_flights.get(ino)
             if flight is None:
@@ -346,7 +353,8 @@ class Namespace(OpenRecords, InodeNumbers, Resolving):
             st_ino = int(dsnap.rows["st_ino"][di])
             names, rows, devs = await self.source.run(self._scan_dir, path, st_ino)
         except _Moved:
-            raise self.stale(ino) from None
+            # (The daemon's own listing leaves the kernel's entries to its own requests.)
+            raise (pyfuse3.FUSEError(errno.ESTALE) if quiet else self.stale(ino)) from None
         finally:
             del self._listing_flights[ino]
             flight.set()

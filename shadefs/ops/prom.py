@@ -119,6 +119,11 @@ METRICS: tuple[Sample, ...] = (
     _c("namespace.changed_files", "changed_files", "Files found changed in the source"),
     _g("namespace.inodes_known", "inodes_known", "Inodes in the namespace table"),
     _g("namespace.directories_listed", "directories_listed", "Directory listings held"),
+    _c(
+        "namespace.directories_relisted",
+        "directories_relisted",
+        "Directories listed because their names were looked up one by one",
+    ),
     _c("cache.admitted", "admitted", "Files admitted into the cache"),
     _c("cache.evictions", "evictions", "Files evicted from the cache"),
     _c("cache.refused", "refused", "Files the policy refused to admit"),
