@@ -10,7 +10,7 @@ time, utime + stime of all its threads from /proc/PID/stat, divided by the opens
 depends on what else runs on the machine, unlike the wall-clock files/s printed beside it.
 It still moves by 10-20% from one pass to the next on a 2-core VM, so every config is
 measured `--rounds` times (3), in turn, and each line shows the round of the median ratio
-to the floor of the same round, with every round's ratio beside it.
+to the floor of the same round, that round's floor, and every round's ratio.
 
 The floor is `floorfs.py` (beside this script): a minimal pyfuse3 + trio filesystem that
 serves the same tree from memory with keep_cache and long timeouts and does nothing else,
@@ -264,13 +264,14 @@ Results = dict[str, tuple[Pass, Pass | None]]
 
 
 def report(rounds: Sequence[Results], files: int, readers: int) -> None:
-    """One line per config and pass: the round whose ratio to the floor (of the same round)
-    is the median, with every round's ratio beside it (one round: just its own)."""
+    """One line per config and pass: the round whose ratio to the floor of the same round is
+    the median (the floor's own line: its median round), that round's floor beside it, and
+    every round's ratio at the end of the line (one round: just its own)."""
     print(f"\n{files} files, {readers} readers; CPU = the daemon's utime+stime from /proc")
     if len(rounds) > 1:
         print(f"{len(rounds)} rounds, each config in turn; shown: the round of the median ratio")
     print(
-        f"{'config':<14} {'pass':<5} {'us/open':>8} {'x floor':>8} {'trio':>6} "
+        f"{'config':<14} {'pass':<5} {'us/open':>8} {'floor':>6} {'x floor':>8} {'trio':>6} "
         f"{'files/s/core':>13} {'files/s wall':>13} {'MB/s':>10}  requests per sample"
     )
     for name in rounds[0]:
@@ -282,27 +283,26 @@ def report(rounds: Sequence[Results], files: int, readers: int) -> None:
                     runs.append((p, base))
             if not runs:
                 continue
-            ratios = sorted(
-                (p.us_per_open / base.us_per_open if base else 0.0, i)
-                for i, (p, base) in enumerate(runs)
-            )
-            median, at = ratios[(len(ratios) - 1) // 2]  # (the lower of two middles)
+            ratios = [p.us_per_open / base.us_per_open if base else 0.0 for p, base in runs]
+            by = [p.us_per_open for p, _ in runs] if name == "floor" else ratios
+            at = sorted(range(len(runs)), key=by.__getitem__)[(len(runs) - 1) // 2]
             p, base = runs[at]
-            ratio = f"{median:.2f}" if base else "-"
+            floor = f"{base.us_per_open:.0f}" if base else "-"
+            ratio = f"{ratios[at]:.2f}" if base else "-"
             spread = ""
-            if base and len(ratios) > 1:
-                in_order = sorted(ratios, key=lambda t: t[1])
-                spread = " [" + " ".join(f"{r:.2f}" for r, _ in in_order) + "]"
+            if base and len(runs) > 1 and name != "floor":
+                spread = " [" + " ".join(f"{r:.2f}" for r in ratios) + "]"
             print(
-                f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {ratio:>8} "
+                f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {floor:>6} {ratio:>8} "
                 f"{p.trio_cpu / p.opens * 1e6:>6.0f} "
                 f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f} "
                 f"{p.nbytes / p.wall / 1e6:>10.0f}  {per_sample(p)}{spread}"
             )
-    print("trio: us/open of the main thread (the trio loop); the rest ran in worker threads")
-    print("(files/s wall depends on the machine's load; the CPU figures hardly do)")
+    print("floor: the floor's us/open in the same round; trio: us/open of the main thread (the")
+    print("trio loop), the rest ran in worker threads. files/s wall depends on the machine's load;")
+    print("the CPU figures hardly do.")
     if len(rounds) > 1:
-        print("[...]: x floor of every round, in order")
+        print("[...]: x floor of every round, in order; the floor's line: its median round")
 
 
 def top_entries(path: Path, trio_us: float, n: int = 15) -> None:
