@@ -84,3 +84,40 @@ def test_a_small_files_first_open_brings_its_bytes_without_a_read(
     assert (m.mnt / "b.bin").read_bytes() == big
     assert _reads(m) - before > 4 * stats_read  # the large file's READs
     assert m.stats()["bytes_served"] >= 2 * len(small) + len(most) + len(big)
+
+
+def _drop_pages(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_reopens_bring_their_bytes_again_once_the_kernel_drops_pages(
+    tmp_path: Path, mounter: Callable[..., Mount]
+) -> None:
+    """A reopen (a hit) answers with the kernel's pages trusted; once a reopen's bytes had
+    to be read (the kernel dropped its pages: a page-cache drop between epochs), the
+    reopens after it push their bytes with the open (operations.py `_REPUSH`)."""
+    files = {f"f{i}.bin": os.urandom(5000) for i in range(6)}
+    src = make_tree(tmp_path / "src", files)
+    m = mounter(src)
+    for name, data in files.items():  # first opens: pushed, no READ
+        assert (m.mnt / name).read_bytes() == data
+    r0 = _reads(m)
+    stats_read = _reads(m) - r0  # what reading stats.json itself costs
+    before = _reads(m)
+    for name, data in files.items():  # reopens, the kernel's pages kept: no READ
+        assert (m.mnt / name).read_bytes() == data
+    assert _reads(m) - before == stats_read
+    for name in files:
+        _drop_pages(m.mnt / name)
+    first, *rest = files
+    before = _reads(m)
+    assert (m.mnt / first).read_bytes() == files[first]  # READs: the kernel had no pages
+    assert _reads(m) - before > stats_read
+    before = _reads(m)
+    for name in rest:  # pushed with their opens: no READ
+        assert (m.mnt / name).read_bytes() == files[name]
+    assert _reads(m) - before == stats_read

@@ -53,6 +53,10 @@ _READDIR_CHUNK = 64
 # Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+# A reopen's bytes go to the kernel with the open too (`push_pages`) while one of the last
+# this many handles of resident bytes had to be read: the kernel dropped their pages (memory
+# pressure, a page-cache drop between epochs) and would send READs for them.
+_REPUSH = 64
 
 
 @guard_handlers
@@ -94,6 +98,7 @@ class Operations(ReadOnly):
         self._unpin = cache.handles.unpin
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
+        self._read_fh = -(1 << 62)  # the last handle of resident bytes that was read
 
     # --- namespace --------------------------------------------------------------------
 
@@ -210,6 +215,8 @@ class Operations(ReadOnly):
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
         self._mem[fh] = data  # unpinned at release; a memoryview from its first read
+        if fh - self._read_fh <= _REPUSH and push_pages(inode, fh, data, self._inode_of):
+            self.metrics.bytes_served += len(data)
         # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
         # handler returns, before any other request runs (no allocation per open).
         fi = self._hit_info
@@ -280,12 +287,13 @@ class Operations(ReadOnly):
             self.cache.unpin(entry.data)
         else:  # it changed again: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
-        self._mem[fh := self._handle(inode)] = memoryview(entry.data)  # unpinned at release
+        self._mem[fh := self._handle(inode)] = entry.data  # unpinned at release
         if inode not in self.ns.unsure:  # the kernel's pages are this version
             resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
             if resident is not None and resident.data is entry.data and changes == self.ns.changes:
                 self._verify(inode, resident, st, path, checked)
-            if not seen and push_pages(inode, fh, entry.data, self._inode_of):
+            push = not seen or fh - self._read_fh <= _REPUSH
+            if push and push_pages(inode, fh, entry.data, self._inode_of):
                 self.metrics.bytes_served += len(entry.data)  # the kernel has them all
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
@@ -351,8 +359,9 @@ class Operations(ReadOnly):
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
-            if type(mv) is bytes:
+            if type(mv) is bytes:  # its first read: the kernel lacked the pages
                 mv = self._mem[fh] = memoryview(mv)
+                self._read_fh = fh
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
