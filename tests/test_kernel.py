@@ -101,16 +101,19 @@ def test_reopens_bring_their_bytes_again_once_the_kernel_drops_pages(
     to be read (the kernel dropped its pages: a page-cache drop between epochs), the
     reopens after it push their bytes with the open (operations.py `_REPUSH`)."""
     files = {f"f{i}.bin": os.urandom(5000) for i in range(6)}
-    src = make_tree(tmp_path / "src", files)
+    big = os.urandom(PUSH_MAX + 5000)
+    src = make_tree(tmp_path / "src", {**files, "big.bin": big})
     m = mounter(src)
     for name, data in files.items():  # first opens: pushed, no READ
         assert (m.mnt / name).read_bytes() == data
+    assert (m.mnt / "big.bin").read_bytes() == big  # read, as any file past the push's size
     r0 = _reads(m)
     stats_read = _reads(m) - r0  # what reading stats.json itself costs
-    before = _reads(m)
-    for name, data in files.items():  # reopens, the kernel's pages kept: no READ
+    before, served = _reads(m), m.stats()["bytes_served"]
+    for name, data in files.items():  # reopens, the kernel's pages kept: no READ, no push
         assert (m.mnt / name).read_bytes() == data
-    assert _reads(m) - before == stats_read
+    assert _reads(m) - before == 2 * stats_read
+    assert m.stats()["bytes_served"] - served < len(data)  # (stats.json's own bytes)
     for name in files:
         _drop_pages(m.mnt / name)
     first, *rest = files

@@ -37,7 +37,7 @@ from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import invalidate_attrs, push_pages
+from shadefs.fs.kernel import PUSH_MAX, invalidate_attrs, push_pages
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -361,7 +361,8 @@ class Operations(ReadOnly):
         if mv is not None:
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
                 mv = self._mem[fh] = memoryview(mv)
-                self._read_fh = fh
+                if len(mv) <= PUSH_MAX:  # (a larger file is read whatever the kernel keeps)
+                    self._read_fh = fh
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
