@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 src, _ = stack.enter_context(slowfs_mounted(src, Path(tmp) / "remote", opts))
             rounds = [
                 {name: run_config(name, args, src, mnt, rels) for name in args.only}
-                for _ in range(max(1, args.rounds if args.profile is None else 1))
+                for _ in range(1 if args.profile else max(1, args.rounds))  # (one profile)
             ]
     report(rounds, args.files, args.readers)
     for path, p in PROFILES if not PERF else ():
