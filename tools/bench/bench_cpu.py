@@ -184,6 +184,7 @@ def shadefs_requests(mnt: Path) -> Callable[[], Counter[str]]:
         got["@staged"] = pf.get("served", 0)
         got["@prefetched"] = pf.get("fetched", 0)
         got["@inline"] = st.get("source_inline_reads", 0)
+        got["@served"] = st["bytes_served"]
         return got
 
     return counts
@@ -242,13 +243,21 @@ def set_queue(mnt: Path, max_background: int) -> None:
     (conn / "congestion_threshold").write_text(str(max(1, max_background * 3 // 4)))
 
 
+def _rate(x: float) -> str:
+    """A rate per sample, with its first digits even when it is small (a few reads of a
+    warm pass each re-arm the pages' re-push for the next handles, fs/operations.py)."""
+    return f"{x:.2f}" if x >= 0.01 or not x else f"{x:.1e}"
+
+
 def per_sample(p: Pass) -> str:
     """Requests per sample; then, per open, the misses and how they were served: from
     staging, by joining a flight (a reader's or the prefetcher's), or fetched by the opener."""
     reqs = " ".join(
-        f"{k}={v / p.opens:.2f}" for k, v in sorted(p.requests.items()) if v and k[0] != "@"
+        f"{k}={_rate(v / p.opens)}" for k, v in sorted(p.requests.items()) if v and k[0] != "@"
     )
     r = p.requests
+    if r["@served"]:  # pushed with an open (fs/kernel.py) or read: what the kernel lacked
+        reqs += f"; served {r['@served'] / p.opens / 1024:.2f} KiB/open"
     if not r["@misses"]:
         return reqs
     own = r["@misses"] - r["@staged"] - r["@shared"]
