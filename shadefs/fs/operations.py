@@ -54,8 +54,10 @@ _READDIR_CHUNK = 64
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 # A reopen's bytes go to the kernel with the open too (`push_pages`) while one of the last
-# this many handles of resident bytes had to be read: the kernel dropped their pages (memory
-# pressure, a page-cache drop between epochs) and would send READs for them.
+# this many handles of resident bytes had to be read within this many of the read before:
+# the kernel dropped pages in bulk (memory pressure, a page-cache drop between epochs) and
+# would send READs for the reopens. A read on its own (one file's pages aged out, as a
+# page-out daemon does now and then) says nothing of the others', and pushes nothing.
 _REPUSH = 64
 
 
@@ -99,6 +101,7 @@ class Operations(ReadOnly):
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
         self._read_fh = -(1 << 62)  # the last handle of resident bytes that was read
+        self._push_fh = -(1 << 62)  # the last such read within _REPUSH of the one before
 
     # --- namespace --------------------------------------------------------------------
 
@@ -215,7 +218,7 @@ class Operations(ReadOnly):
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
         self._mem[fh] = data  # unpinned at release; a memoryview from its first read
-        if fh - self._read_fh <= _REPUSH and push_pages(inode, fh, data, self._inode_of):
+        if fh - self._push_fh <= _REPUSH and push_pages(inode, fh, data, self._inode_of):
             self.metrics.bytes_served += len(data)
         # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
         # handler returns, before any other request runs (no allocation per open).
@@ -292,7 +295,7 @@ class Operations(ReadOnly):
             resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
             if resident is not None and resident.data is entry.data and changes == self.ns.changes:
                 self._verify(inode, resident, st, path, checked)
-            push = not seen or fh - self._read_fh <= _REPUSH
+            push = not seen or fh - self._push_fh <= _REPUSH
             if push and push_pages(inode, fh, entry.data, self._inode_of):
                 self.metrics.bytes_served += len(entry.data)  # the kernel has them all
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -362,6 +365,8 @@ class Operations(ReadOnly):
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
                 mv = self._mem[fh] = memoryview(mv)
                 if len(mv) <= PUSH_MAX:  # (a larger file is read whatever the kernel keeps)
+                    if fh - self._read_fh <= _REPUSH:
+                        self._push_fh = fh
                     self._read_fh = fh
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
