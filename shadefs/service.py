@@ -186,6 +186,7 @@ class Service:
 
     def stats(self) -> Stats:
         """Everything stats.json reports, from each part's describe() (in the trio thread)."""
+        self.cache.take_hits()
         pf, blocks = self.prefetcher, self.blocks
         return Stats(
             version=STATS_VERSION,

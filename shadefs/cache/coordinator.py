@@ -32,6 +32,7 @@ from shadefs.cache.entry import Entry
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
+from shadefs.cache.hits import Hits
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.ssd_format import Signature, StatLike
@@ -46,7 +47,7 @@ from shadefs.stats import CacheStats, Metrics, RamStats
 log = logging.getLogger(__name__)
 
 
-class Cache:
+class Cache(Hits):
     """The RAM tier under a byte budget that is never exceeded (counting file bytes), and
     the owner of the SSD tier and of the prefetcher. :capacity: the budget in bytes; :used:
     bytes of resident file data; :max_entry: the largest file cached whole in RAM; :ssd: the
@@ -84,6 +85,7 @@ class Cache:
         self._owns = owns
         self.readers = readers if readers is not None else Readers()
         self.pending = self.readers.pending
+        self._init_hits()
         self.entries: dict[int, Entry] = {}
         # Entries that an open found to be their node's version, with the node's check
         # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
@@ -122,6 +124,7 @@ class Cache:
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""
+        self.take_hits()
         if self.ssd is not None:
             self.ssd.store.close()
 
@@ -155,6 +158,8 @@ class Cache:
         None: read it through. `pid`: the reader (the readers part finds its job). A miss
         may meet another version than `st`'s, or only its start if it grew past the bound.
         `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
+        if self._hits:
+            self.take_hits()
         sig = Signature.of(st)
         reader = self._read(key, pid)
         entry = self.entries.get(key)
@@ -168,33 +173,6 @@ class Cache:
         if type(got) is Entry:  # a Deferred is pinned when its first read fetches
             self._pin(key, got)
         return got
-
-    def hit(self, key: int, data: bytes, pid: int, i: int = -1) -> None:
-        """What `open_entry` does on a RAM hit of `key` (tracker id `i`, -1: unknown) by
-        reader `pid`, whose resident bytes `data` (whole) the caller found to serve,
-        without checking them again (the data path's verified reopen, fs/operations.py)."""
-        self._hit(key, data, len(data), self._read(key, pid, i))
-
-    def _read(self, key: int, pid: int, i: int = -1) -> Job:
-        """The readers' read (before the policies hear of it), and the prefetcher's."""
-        reader = self.readers.read(key, pid, i)
-        pf = self.prefetcher
-        if pf is not None and (pf.plans or pf.holds.left):
-            pf.observe(key)
-        return reader
-
-    def _hit(self, key: int, data: bytes, size: int, reader: Job) -> None:
-        """Count a RAM hit, tell both tiers' policies of it, and pin its bytes."""
-        self.metrics.hits += 1
-        self.ram_hits += 1
-        job = reader.row
-        self.policy.accessed(key, True, job)
-        ssd = self.ssd
-        if ssd is not None:
-            ssd.policy.accessed(key, key in ssd.index, job)
-        reader.hits += 1
-        reader.bytes += size
-        self.handles.pin_resident(data)
 
     def _pin(self, key: int, got: Entry) -> None:
         entry = self.entries.get(key)
@@ -306,6 +284,8 @@ class Cache:
 
     def admit(self, key: int, data: bytes, sig: Signature, where: int = 0) -> None:
         """Admit `data` under `key` if the policy makes room (blocks come in here too)."""
+        if self._hits:
+            self.take_hits()
         size = len(data)
         if key in self.entries:
             self._remove(key)
@@ -342,6 +322,8 @@ class Cache:
 
     def _remove(self, key: int) -> None:
         """Drop a resident entry (also a block of a file that changed)."""
+        if self._hits:
+            self.take_hits()  # (while it is resident: its logged hits move its entry)
         entry = self.entries.pop(key)
         self.reopens.pop(key, None)
         self.used -= len(entry.data)
@@ -360,6 +342,7 @@ class Cache:
         """Change the budget; shrinking evicts at once, in the policy's order."""
         self.capacity = capacity
         self.refresh_limits()
+        self.take_hits()
         if self.used > capacity:
             for victim in self.policy.shrink(self.used - capacity):
                 self._remove(victim)

@@ -98,6 +98,7 @@ class Operations(ReadOnly):
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin
+        self._settle = cache.take_hits  # before every handler but a hit's (fs/guard.py)
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
         self._read_fh = -(1 << 62)  # the last handle of resident bytes that was read

@@ -15,7 +15,9 @@ but `describe`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+import numpy as np
 import trio
 
 from shadefs.readers.jobs import Job, JobTable
@@ -26,6 +28,10 @@ from shadefs.stats import JobStats
 log = logging.getLogger(__name__)
 
 SETTLE = 0.05  # seconds between two settlings of the universes (new listings join)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _no_sample(key: int) -> int:
@@ -48,6 +54,9 @@ class Readers:
         self.jobs = jobs if jobs is not None else JobTable()
         self.pending = pending if pending is not None else PendingReads(_no_sample)
         self.tracker = Tracker(listing_of)
+        # Run before each tick's settle and sweep: the reads logged elsewhere but not told
+        # yet (the cache's hits, cache/hits.py), so that no sweep finds their job idle.
+        self.before_tick: Callable[[], None] = _nothing
 
     def start(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self.run)
@@ -58,6 +67,7 @@ class Readers:
         swept = clock()
         while True:
             await trio.sleep(SETTLE)
+            self.before_tick()
             self.tracker.settle()
             now = clock()
             if now - swept >= self.jobs.period:
@@ -65,16 +75,34 @@ class Readers:
                 self.expire(now)
 
     def read(self, key: int, pid: int, i: int = -1) -> Job:
-        """An open of `key` (tracker id `i`, -1: unknown) by reader `pid` (the cache's hit
-        path: keep it short): its job, with the read counted in the pending reads, the
-        tracker and the job's log."""
-        jobs, pending = self.jobs, self.pending
+        """An open of `key` (tracker id `i`, -1: unknown) by reader `pid`: its job, with
+        the read counted (`read_by`)."""
+        jobs = self.jobs
         job = jobs.pids.get(pid) or jobs.job_of(pid)
+        self.read_by(key, job, i)
+        return job
+
+    def read_by(self, key: int, job: Job, i: int = -1) -> None:
+        """An open of `key` by `job` (the cache's hit path: keep it short), counted in the
+        pending reads, the tracker and the job's log."""
+        pending = self.pending
         if pending.epoch >= 0:  # some known order counts reads: take this one off
             pending.read(key, job.row)
         self.tracker.read(key, job.row, i)
         job.reads.append(key)  # the speculator's plans take them in (prefetch/speculate.py)
-        return job
+
+    def read_many(self, keys: list[int], job: Job, ids: list[int]) -> np.ndarray | None:
+        """`read_by(keys[k], job, ids[k])` for k in order, the tracker's part in numpy
+        (`Tracker.read_many`): each id's rank after the batch, or None (nothing done)."""
+        ranks = self.tracker.read_many(keys, job.row, ids)
+        if ranks is None:
+            return None
+        pending = self.pending
+        if pending.epoch >= 0:
+            for key in keys:
+                pending.read(key, job.row)
+        job.reads.extend(keys)
+        return ranks
 
     def read_block(self, key: int) -> None:
         """A read of block `key` (cache/blocks.py), for the `epoch` policy's ranks. A block

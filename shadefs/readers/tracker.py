@@ -45,6 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
+from shadefs.readers.batch import SETTLE_MAX, BatchReads
 from shadefs.readers.ids import IdTable
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 # while the epoch ran.
 NEW_EPOCH = 0.9
 _GROW = 2
-_SETTLE_MAX = 1 << 16  # the most first reads waiting for their directory's listing
 _SETTLE_FILES = 1 << 14  # files whose listings join universes per `settle` (~15 ms)
 
 
@@ -84,7 +84,7 @@ def _no_listings(key: int) -> Listing | None:
     return None
 
 
-class Tracker:
+class Tracker(BatchReads):
     """The per-file columns, the per-job rows and the one epoch rule (see the module)."""
 
     def __init__(self, listing_of: ListingOf | None = None) -> None:
@@ -289,7 +289,7 @@ class Tracker:
         if not universe[i]:
             universe[i] = True
             self.size[row] += 1
-            if key >= 0 and len(self._unsettled) < _SETTLE_MAX:
+            if key >= 0 and len(self._unsettled) < SETTLE_MAX:
                 self._unsettled.extend((row, key))  # its directory may join the universe
         e = self.epoch[row]
         last = self._last[row]

@@ -18,6 +18,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 from sortedcontainers import SortedList
 
 from shadefs.stats import PolicyState
@@ -47,6 +48,12 @@ class Policy(ABC):
     def accessed(self, key: int, hit: bool, job: int = 0) -> None:
         """An open of `key` (one sample read) by job `job` (the cache's job row, 0 when
         unknown); `hit` says whether it was resident."""
+
+    def accessed_many(self, keys: list[int], job: int, ids: np.ndarray, ranks: np.ndarray) -> None:
+        """Hits of the resident `keys` by job `job`, in order, told after the tracker took
+        them all in (`ids`, `ranks`: their tracker ids and ranks now; no key repeats)."""
+        for key in keys:
+            self.accessed(key, True, job)
 
     @abstractmethod
     def admit(self, key: int, size: int, free: int) -> list[int] | None:

@@ -139,6 +139,18 @@ class EpochPolicy(Policy):
         if len(moved) >= _MOVES:
             self._fresh()
 
+    def accessed_many(self, keys: list[int], job: int, ids: np.ndarray, ranks: np.ndarray) -> None:
+        # Logged as `accessed` logs them one by one (the tracker recounted nothing: a batch
+        # it took in begins no epoch).
+        if self._generation != self.tracker.generation:
+            self._fresh()
+        pairs = np.empty(2 * len(ids), dtype=np.int64)
+        pairs[0::2] = ids
+        pairs[1::2] = ranks
+        self._moved.frombytes(pairs.tobytes())
+        if len(self._moved) >= _MOVES:
+            self._fresh()
+
     # --- what the cache asks -------------------------------------------------------------
 
     def _victims(

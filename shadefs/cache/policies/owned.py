@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from shadefs.cache.policies.base import Policy, take_prefix
 from shadefs.stats import PolicyState
 
@@ -46,6 +48,14 @@ class Owned(Policy):
         self.inner.accessed(key, hit, job)
         if key in self.guests:
             self.read[key] = None
+
+    def accessed_many(self, keys: list[int], job: int, ids: np.ndarray, ranks: np.ndarray) -> None:
+        self.inner.accessed_many(keys, job, ids, ranks)
+        guests = self.guests
+        if guests:
+            for key in keys:
+                if key in guests:
+                    self.read[key] = None
 
     def inserted(self, key: int, size: int) -> None:
         self.inner.inserted(key, size)
