@@ -14,7 +14,7 @@ else touches that state: every request of the data path other than a hit (fs/gua
 miss, an epoch's announcement, a stats read), every admission to RAM and every removal
 (the policy's buckets must hold what the reads did), and the readers' ticks. What runs in
 the background in between (the speculator's plans, the SSD tier's writes) may see the last
-hits late, by at most `HIT_LOG` hits or one tick of the readers (50 ms).
+hits late, by one tick of the readers (50 ms) at most.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ from shadefs.readers.jobs import Job
 from shadefs.readers.part import Readers
 from shadefs.stats import Metrics
 
-# Hits whose bookkeeping waits (`Hits.hit`).
-HIT_LOG = 64
+# Hits whose bookkeeping waits (`Hits.hit`) at most. Mostly the readers' tick (50 ms) or
+# another request takes the log in first; each numpy call of a batch meets its code cold
+# (~100 us a batch of 64 in the daemon), so the longer the batch the less a hit pays for it:
+# ~2 us a hit at 64, ~1 at 1024 (bench_cpu's warm passes, timed inside the daemon).
+HIT_LOG = 1024
 
 
 class Hits:
