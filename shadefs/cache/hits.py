@@ -19,6 +19,8 @@ hits late, by one tick of the readers (50 ms) at most.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from shadefs.cache.entry import Entry
@@ -95,22 +97,9 @@ class Hits:
         self, keys: list[int], size: int, reader: Job, ids: list[int], ranks: np.ndarray
     ) -> None:
         """`_count_hit` of every key of a batch that the tracker took in (`ranks`)."""
-        pf = self.prefetcher
-        if pf is not None and (pf.plans or pf.holds.left):
-            for key in keys:
-                pf.observe(key)
-        n = len(keys)
-        self.metrics.hits += n
-        self.ram_hits += n
-        job = reader.row
-        self.policy.accessed_many(keys, job, np.asarray(ids, dtype=np.int64), ranks)
-        ssd = self.ssd
-        if ssd is not None:
-            index, accessed = ssd.index, ssd.policy.accessed
-            for key in keys:
-                accessed(key, key in index, job)
-        reader.hits += n
-        reader.bytes += size
+        self._observe(keys)
+        self.policy.accessed_many(keys, reader.row, np.asarray(ids, dtype=np.int64), ranks)
+        self._counted(keys, size, reader)
 
     def _read(self, key: int, pid: int, i: int = -1) -> Job:
         """The readers' read of `key` by reader `pid` (before the policies hear of it)."""
@@ -122,9 +111,14 @@ class Hits:
     def _read_by(self, key: int, job: Job, i: int) -> None:
         """The readers' read of `key` by `job`, and the prefetcher's."""
         self.readers.read_by(key, job, i)
+        self._observe((key,))
+
+    def _observe(self, keys: Iterable[int]) -> None:
+        """The prefetcher's progress: its plans' readers opened `keys`."""
         pf = self.prefetcher
         if pf is not None and (pf.plans or pf.holds.left):
-            pf.observe(key)
+            for key in keys:
+                pf.observe(key)
 
     def _hit(self, key: int, data: bytes, size: int, reader: Job) -> None:
         """Count a RAM hit, tell both tiers' policies of it, and pin its bytes."""
@@ -132,12 +126,18 @@ class Hits:
         self.handles.pin_resident(data)
 
     def _count_hit(self, key: int, size: int, reader: Job) -> None:
-        self.metrics.hits += 1
-        self.ram_hits += 1
-        job = reader.row
-        self.policy.accessed(key, True, job)
+        self.policy.accessed(key, True, reader.row)
+        self._counted((key,), size, reader)
+
+    def _counted(self, keys: Sequence[int], size: int, reader: Job) -> None:
+        """The counters and the SSD tier's policy: hits of `keys`, `size` bytes in all."""
+        n = len(keys)
+        self.metrics.hits += n
+        self.ram_hits += n
+        reader.hits += n
+        reader.bytes += size
         ssd = self.ssd
         if ssd is not None:
-            ssd.policy.accessed(key, key in ssd.index, job)
-        reader.hits += 1
-        reader.bytes += size
+            index, accessed, job = ssd.index, ssd.policy.accessed, reader.row
+            for key in keys:
+                accessed(key, key in index, job)

@@ -53,11 +53,11 @@ _READDIR_CHUNK = 64
 # Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
 _MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-# A reopen's bytes go to the kernel with the open too (`push_pages`) while one of the last
-# this many handles of resident bytes had to be read within this many of the read before:
-# the kernel dropped pages in bulk (memory pressure, a page-cache drop between epochs) and
-# would send READs for the reopens. A read on its own (one file's pages aged out, as a
-# page-out daemon does now and then) says nothing of the others', and pushes nothing.
+# Reopens push their bytes to the kernel too (`push_pages`) for this many handles after a
+# handle of resident bytes had to be read within this many handles of the previous such
+# read: two reads close together say the kernel dropped pages in bulk (memory pressure, a
+# page-cache drop between epochs) and would send READs for the reopens. A read on its own
+# (one file's pages aged out, as a page-out daemon does now and then) pushes nothing.
 _REPUSH = 64
 
 
