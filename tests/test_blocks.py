@@ -16,7 +16,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, file_key, parse_block_relpath
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs
+from tests.test_fs_api import CTX, lookup_path, make_fs, open_path
 from tests.test_random_reads import settled
 
 BS = 32 << 10
@@ -43,9 +43,11 @@ def _ranges(rng: random.Random, size: int, bs: int, n: int) -> list[tuple[int, i
 
 
 def test_block_keys_never_collide_with_file_keys() -> None:
-    keys = {block_key(k, i) for k in (1, 17, 2**40, 2**64 - 1) for i in (0, 1, 2**24 - 1)}
-    assert all(k < 0 for k in keys) and len(keys) == 12
-    assert file_key(block_key(2**64 - 1, 5)) == 2**64 - 1 and file_key(17) == 17
+    files = (1, 17, 2**38 - 1, 2**38, 2**40, 3 << 61, 2**64 - 1)
+    keys = {block_key(k, i) for k in files for i in (0, 1, 2**24 - 1)}
+    # Signed 64-bit (the caches' arrays), the fresh numbers of changed files (3 << 61) too.
+    assert all(-(2**63) <= k < 0 for k in keys) and len(keys) == 3 * len(files)
+    assert all(file_key(block_key(k, 5)) == k for k in files) and file_key(17) == 17
     assert parse_block_relpath(b"a/b.tar\x00" + b"65536+100000") == (b"a/b.tar", 65536, 100000)
     assert parse_block_relpath(b"a/b.tar") is None
 
@@ -108,7 +110,7 @@ async def test_changed_shard_is_revalidated_as_a_whole(tmp_path: Path) -> None:
     await ops.release(fi.fh)
     assert sum(1 for k in svc.cache.entries if k < 0) == 11
     (src / "s.tar").write_bytes(new)  # same size, new bytes, new mtime/ctime
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    ino, fi = await open_path(ops, ino, "s.tar")  # ESTALE, then a lookup: the new version
     assert not fi.keep_cache
     # Only the first block is read again; every old block must be gone all the same.
     assert await _read(ops, fi.fh, 5, 100) == new[5:105]

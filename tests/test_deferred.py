@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs, read_all
+from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, read_all
 
 OLD, NEW = b"o" * 100_000, b"n" * 100_000
 
@@ -95,10 +95,14 @@ async def test_a_change_before_the_open_is_served_whole_without_the_old_pages(
 ) -> None:
     ops, svc, (ino,) = await evicted(tmp_path, {"f": OLD})
     (tmp_path / "src" / "f").write_bytes(NEW + b"+")  # within --revalidate: the row is old
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
-    assert not fi.keep_cache  # the open's lstat saw the change: the kernel drops its pages
+    with pytest.raises(pyfuse3.FUSEError) as e:  # the open's lstat saw the change: the
+        await ops.open(ino, os.O_RDONLY, CTX)  # kernel looks it up again (a new inode)
+    assert e.value.errno == errno.ESTALE
+    new = await lookup_path(ops, "f")  # the kernel's retry: a new node, whose inode and
+    assert new != ino  # pages are new too
+    fi = await ops.open(new, os.O_RDONLY, CTX)
     assert bytes(await ops.read(fi.fh, 0, 200_000)) == NEW + b"+"
-    assert svc.namespace.stat(ino).st_size == len(NEW) + 1
+    assert svc.namespace.stat(new).st_size == len(NEW) + 1
     await ops.release(fi.fh)
     assert svc.cache.describe().handles.deferred == 0
 
@@ -115,11 +119,11 @@ async def test_a_change_between_the_open_and_its_first_read_is_eio_never_a_mix(
             await ops.read(fi.fh, off, 4096)
         assert e.value.errno == errno.EIO
     await ops.release(fi.fh)
-    # The node took the new version: the next open drops the kernel's pages and serves it.
-    assert ino in svc.namespace.unsure
-    assert svc.namespace.stat(ino).st_ctime_ns == (tmp_path / "src" / "f").stat().st_ctime_ns
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
-    assert not fi.keep_cache
+    # The node stays the old version; its next open is ESTALE, and the kernel's retry
+    # opens the new version as a new node.
+    assert svc.namespace.stat(ino).st_size == len(OLD)
+    new, fi = await open_path(ops, ino, "f")
+    assert new != ino
     assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
     await ops.release(fi.fh)
     h = svc.cache.describe().handles

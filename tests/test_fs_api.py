@@ -37,6 +37,20 @@ async def lookup_path(ops, rel: str) -> int:
     return ino
 
 
+async def open_path(ops, ino: int, rel: str) -> tuple[int, pyfuse3.FileInfo]:
+    """Open node `ino`, found by `rel`, as the kernel does: on ESTALE (the path leads
+    elsewhere now, or the kernel's inode is an older version than the node's) it looks
+    the names up again and opens once more (the VFS's LOOKUP_REVAL retry). The node
+    opened, and the handle."""
+    try:
+        return ino, await ops.open(ino, os.O_RDONLY, CTX)
+    except pyfuse3.FUSEError as exc:
+        if exc.errno != errno.ESTALE:
+            raise
+    ino = await lookup_path(ops, rel)
+    return ino, await ops.open(ino, os.O_RDONLY, CTX)
+
+
 async def read_all(ops, ino: int) -> bytes:
     fi = await ops.open(ino, os.O_RDONLY, CTX)
     out = b""

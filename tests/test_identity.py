@@ -18,7 +18,7 @@ from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.records import attrs_of_row, generation
 from shadefs.source import Source
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs, read_all, readdir_names
+from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, read_all, readdir_names
 
 OLD, NEW = b"o" * 100_000, b"n" * 100_000
 
@@ -67,24 +67,32 @@ async def test_a_fetch_torn_twice_is_eio(tmp_path: Path, monkeypatch: pytest.Mon
     assert e.value.errno == errno.EIO
 
 
-async def test_an_open_that_meets_a_new_version_serves_it_whole_without_keep_cache(
+async def test_an_open_that_meets_a_new_version_retires_the_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = make_tree(tmp_path / "src", {"f": OLD})
     ops, svc = make_fs(src, ram=8 << 20, inline_reads=False)
     ino = await lookup_path(ops, "f")
+    old = (src / "f").stat()
     rewrite_during_reads(monkeypatch, src / "f", 1)  # the first fetch races a rewrite
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
-    assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
-    # The kernel may hold pages of the version it looked up: they are not kept, and the
-    # node takes the version served (size, ctime).
-    assert not fi.keep_cache and not fi.direct_io
-    assert svc.namespace.stat(ino).st_ctime_ns == (src / "f").stat().st_ctime_ns
-    await ops.release(fi.fh)
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
-    assert fi.keep_cache and svc.metrics.hits == 1  # the whole new version was cached
-    assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
-    await ops.release(fi.fh)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    # The node stays the version the kernel looked up (getattr, the kernel's size), so the
+    # open is ESTALE, and nothing of either version stays cached under it.
+    assert e.value.errno == errno.ESTALE and svc.cache.used == 0
+    assert (await ops.getattr(ino, CTX)).st_ctime_ns == old.st_ctime_ns
+    new = (src / "f").stat()
+    entry = await ops.lookup(ROOT_INODE, b"f", CTX)  # the kernel's retry: a new node
+    assert entry.st_ino != ino and entry.generation == generation(new.st_mode, new.st_ctime_ns)
+    assert (await ops.getattr(entry.st_ino, CTX)).st_ctime_ns == new.st_ctime_ns
+    assert (await ops.getattr(ino, CTX)).st_ctime_ns == old.st_ctime_ns
+    for _ in range(2):
+        fi = await ops.open(entry.st_ino, os.O_RDONLY, CTX)
+        assert fi.keep_cache and not fi.direct_io
+        assert bytes(await ops.read(fi.fh, 0, len(NEW))) == NEW
+        await ops.release(fi.fh)
+    svc.cache.take_hits()
+    assert svc.metrics.hits == 1 and svc.cache.used == len(NEW)
 
 
 async def test_an_open_whose_fetch_keeps_tearing_is_eio_and_caches_nothing(
@@ -100,33 +108,24 @@ async def test_an_open_whose_fetch_keeps_tearing_is_eio_and_caches_nothing(
     assert svc.cache.used == 0 and svc.cache.handles.held == 0
 
 
-async def test_a_second_version_opened_beside_the_first_bypasses_the_page_cache(
+async def test_a_second_version_opened_beside_the_first_is_another_node(
     tmp_path: Path,
 ) -> None:
-    src = make_tree(tmp_path / "src", {"f": OLD})
+    src = make_tree(tmp_path / "src", {"f": OLD + b"..."})
     ops, svc = make_fs(src, ram=8 << 20, revalidate=0.0)
     ino = await lookup_path(ops, "f")
     first = await ops.open(ino, os.O_RDONLY, CTX)
-    assert first.keep_cache
     (src / "f").write_bytes(NEW)
-    second = await ops.open(ino, os.O_RDONLY, CTX)  # revalidate 0: sees the change
-    # `first` fills the kernel's pages with the old version: `second` must not read them,
-    # nor fill them with the new one under `first`.
-    assert second.direct_io
-    assert bytes(await ops.read(first.fh, 0, 10)) == OLD[:10]
+    new, second = await open_path(ops, ino, "f")  # revalidate 0: sees the change (ESTALE)
+    # Two kernel inodes, each with its own pages and size: both keep their pages.
+    assert new != ino and first.keep_cache and second.keep_cache and not second.direct_io
+    assert (await ops.getattr(ino, CTX)).st_size == len(OLD) + 3
+    assert (await ops.getattr(new, CTX)).st_size == len(NEW)
+    assert bytes(await ops.read(first.fh, len(OLD) - 2, 4096)) == b"oo..."  # to its end
     assert bytes(await ops.read(second.fh, 0, 10)) == NEW[:10]
-    await ops.release(first.fh)
-    third = await ops.open(ino, os.O_RDONLY, CTX)  # `second` is open, of the new version
-    assert third.direct_io
-    await ops.release(second.fh)
-    await ops.release(third.fh)
-    fourth = await ops.open(ino, os.O_RDONLY, CTX)  # alone: the kernel drops the old pages
-    assert not fourth.direct_io and not fourth.keep_cache
-    await ops.release(fourth.fh)
-    fifth = await ops.open(ino, os.O_RDONLY, CTX)
-    assert fifth.keep_cache
-    await ops.release(fifth.fh)
-    assert ino not in svc.namespace.unsure and not ops._inode_of
+    for fh in (first.fh, second.fh):
+        await ops.release(fh)
+    assert not ops._inode_of
 
 
 async def test_a_path_that_leads_to_another_file_is_estale(tmp_path: Path) -> None:
@@ -190,10 +189,16 @@ async def test_a_file_read_through_that_changed_takes_its_new_version(tmp_path: 
     ino = await lookup_path(ops, "d/x")
     with open(src / "d" / "x", "ab") as f:
         f.write(b"c" * 1000)  # grown since the kernel looked it up
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)  # the node is the version looked up
+    assert e.value.errno == errno.ESTALE and not ops._fds
+    assert (await ops.getattr(ino, CTX)).st_size == len(big)
+    new = await lookup_path(ops, "d/x")  # the kernel's retry: the new version, a new node
+    assert new != ino and (await ops.getattr(new, CTX)).st_size == len(big) + 1000
+    fi = await ops.open(new, os.O_RDONLY, CTX)
     assert ops._fds and not fi.keep_cache
-    assert svc.namespace.stat(ino).st_size == len(big) + 1000  # what getattr now answers
     await ops.release(fi.fh)
+    ino = new
     (src / "d" / "y").write_bytes(big)
     os.replace(src / "d" / "y", src / "d" / "x")  # renamed over: another file
     with pytest.raises(pyfuse3.FUSEError) as e:
@@ -253,3 +258,67 @@ async def test_a_node_the_kernel_holds_never_serves_the_file_that_took_its_numbe
     assert await read_all(ops, new) == NEW
     await ops.forget([(new, 2)])
     assert not svc.namespace._renumbered  # forgotten: b/y's inode gets its own number back
+
+
+async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
+    tmp_path: Path,
+) -> None:
+    # A handle of the old version reads by its kernel inode's size: a GETATTR answered
+    # with the new size would cut it, or let the kernel serve a zero-filled page tail.
+    src = make_tree(tmp_path / "src", {"d/f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20, revalidate=0.0)
+    d, ino = await lookup_path(ops, "d"), await lookup_path(ops, "d/f")
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    with open(src / "d" / "f", "ab") as f:
+        f.write(b"+" * 5000)
+    for _ in range(2):  # every open of the node is ESTALE from now on
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.open(ino, os.O_RDONLY, CTX)
+        assert e.value.errno == errno.ESTALE
+    await readdir_names(ops, d)  # readdirplus hands the new version out: a new node
+    new = svc.namespace.ino_of((src / "d" / "f").lstat())
+    assert new != ino and (await ops.getattr(new, CTX)).st_size == len(OLD) + 5000
+    assert (await ops.getattr(ino, CTX)).st_size == len(OLD) == svc.namespace.stat(ino).st_size
+    assert bytes(await ops.read(fi.fh, len(OLD) - 10, 4096)) == OLD[-10:]  # the old version
+    await ops.release(fi.fh)
+    assert (await ops.lookup(d, b"f", CTX)).st_ino == new  # a lookup finds the new one too
+    await ops.forget([(ino, 1)])  # the kernel lets the old inode go
+    assert ino not in svc.namespace.table and new in svc.namespace.table
+
+
+async def test_a_path_through_a_renamed_directory_is_estale_even_at_the_same_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node's row says "d/f", but "d" was renamed to "e" and a new "d/f" made, which the
+    # source gave the node's freed inode number (ext4 reuses them at once): that is another
+    # file, not a new version of the node's.
+    src = make_tree(tmp_path / "src", {"d/f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20, revalidate=0.0)
+    ino = await lookup_path(ops, "d/f")
+    old_ino = (src / "d" / "f").stat().st_ino
+    os.rename(src / "d", src / "e")
+    (src / "d").mkdir()
+    (src / "d" / "f").write_bytes(NEW)
+    new_ino = (src / "d" / "f").stat().st_ino
+
+    def reused(st: os.stat_result) -> os.stat_result:
+        if st.st_ino != new_ino:
+            return st
+        return os.stat_result((st[0], old_ino, *st[2:]))
+
+    from shadefs import source_paths
+
+    real_at, real_in = source_paths._lstat_at, source_paths._lstat_with_parent
+    monkeypatch.setattr(source_paths, "_lstat_at", lambda n, fd: reused(real_at(n, fd)))
+    monkeypatch.setattr(
+        source_paths,
+        "_lstat_with_parent",
+        lambda n, fd: (lambda d, s: (d, reused(s)))(*real_in(n, fd)),
+    )
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await svc.namespace.fresh_stat(ino, force=True)
+    assert e.value.errno == errno.ESTALE
+    assert svc.namespace.stat(ino).st_size == len(OLD)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDONLY, CTX)
+    assert e.value.errno == errno.ESTALE and svc.cache.used == 0

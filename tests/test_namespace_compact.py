@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pyfuse3
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +19,7 @@ from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.sampling.registry import PathTable
 from shadefs.source import Source
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs, readdir_names
+from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, readdir_names
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,20 +155,22 @@ async def test_a_refreshed_listing_takes_over_every_node(tmp_path: Path) -> None
     (src / "d" / "changed").write_bytes(b"longer")
     await readdir_names(ops, d)  # refreshed: readdirplus tells the kernel again
     new = ns._snaps[ns.listings[d]]
-    assert new is not old and ns._snaps[old.slot] is None  # nothing points into it any more
+    assert new is not old
     assert ns.locate(same)[0] is new and ns.node(same).lookups == 2
-    # The changed file takes its new stat at once (the kernel was just told it), and the
-    # kernel's pages of it are of the old version: its next open does not keep them.
-    assert ns.locate(changed)[0] is new and ns.stat(changed).st_size == 6
-    assert changed in ns.unsure and same not in ns.unsure
-    fi = await ops.open(changed, os.O_RDONLY, CTX)
-    assert not fi.keep_cache and changed not in ns.unsure
-    assert await ops.read(fi.fh, 0, 100) == b"longer"
-    await ops.release(fi.fh)
+    # The changed file's new version is a new node, under a fresh number; the old node
+    # stays the old version (the kernel's inode of it may have handles still reading).
+    now = ns.ino_of((src / "d" / "changed").lstat())
+    assert now != changed and ns.locate(now)[0] is new and ns.stat(now).st_size == 6
+    assert ns.locate(changed)[0] is old and ns.stat(changed).st_size == 1
     assert ns.describe().changed_files == 1
-    fi = await ops.open(changed, os.O_RDONLY, CTX)
-    assert fi.keep_cache  # the pages are of this version now
+    fi = await ops.open(now, os.O_RDONLY, CTX)
+    assert fi.keep_cache and await ops.read(fi.fh, 0, 100) == b"longer"
     await ops.release(fi.fh)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(changed, os.O_RDONLY, CTX)  # its path leads to the new node's file
+    assert e.value.errno == errno.ESTALE
+    await ops.forget([(changed, 1)])
+    assert ns._snaps[old.slot] is None  # nothing points into it any more
 
 
 async def test_an_empty_directory_lists_as_empty(tmp_path: Path) -> None:
@@ -250,9 +254,9 @@ async def test_a_reopened_file_sees_its_change_and_its_forget(tmp_path: Path) ->
     assert ns.opening(ino)[0].st_size == 1
     (src / "d" / "f").write_bytes(b"changed")
     time.sleep(0.4)
-    fh = (await ops.open(ino, os.O_RDONLY, CTX)).fh
-    assert await ops.read(fh, 0, 100) == b"changed"
-    await ops.release(fh)
+    ino, fi = await open_path(ops, ino, "d/f")  # ESTALE: the new version is a new node
+    assert await ops.read(fi.fh, 0, 100) == b"changed"
+    await ops.release(fi.fh)
     assert ns.opening(ino)[0].st_size == 7 and ns.stat(ino).st_size == 7
     await ops.forget([(ino, 1)])
     try:

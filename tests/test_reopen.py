@@ -15,9 +15,10 @@ import pytest
 from shadefs.fs import namespace as fs_namespace
 from shadefs.fs import operations as fs_operations
 from shadefs.fs import resolving as fs_resolving
+from shadefs.fs import revalidate as fs_revalidate
 from shadefs.fs import xattrs as fs_xattrs
 from tests.conftest import make_tree
-from tests.test_fs_api import CTX, lookup_path, make_fs
+from tests.test_fs_api import CTX, lookup_path, make_fs, open_path
 
 
 async def _open_read_release(ops, ino: int) -> bytes:
@@ -84,7 +85,7 @@ async def test_a_changed_file_is_served_in_its_new_version_once_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = _Clock()
-    for module in (fs_namespace, fs_operations, fs_resolving, fs_xattrs):
+    for module in (fs_namespace, fs_operations, fs_resolving, fs_revalidate, fs_xattrs):
         monkeypatch.setattr(module, "time", clock)
     src = make_tree(tmp_path / "src", {"d/f": b"1"})
     ops, svc = make_fs(src, revalidate=0.3)
@@ -94,10 +95,13 @@ async def test_a_changed_file_is_served_in_its_new_version_once_checked(
     (src / "d" / "f").write_bytes(b"changed")
     assert await _open_read_release(ops, ino) == b"1"  # within --revalidate: as looked up
     clock.ahead += 0.4
-    assert await _open_read_release(ops, ino) == b"changed"  # the check was due
-    assert ino not in svc.namespace.verified  # (its pages were unsure: dropped at that open)
-    assert await _open_read_release(ops, ino) == b"changed"
-    assert svc.namespace.verified[ino][0].sig.size == 7
+    # The check was due: ESTALE, and the kernel's retry finds the new version: a new node.
+    new, fi = await open_path(ops, ino, "d/f")
+    assert new != ino and bytes(await ops.read(fi.fh, 0, 100)) == b"changed"
+    await ops.release(fi.fh)
+    assert ino not in svc.namespace.verified
+    assert await _open_read_release(ops, new) == b"changed"
+    assert svc.namespace.verified[new][0].sig.size == 7
 
 
 async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> None:
@@ -118,8 +122,10 @@ async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> No
     assert g in ns.verified
     (src / "d" / "g").write_bytes(b"22")
     await ns.fresh_stat(g, force=True)
-    assert g not in ns.verified and g in ns.unsure
-    assert await _open_read_release(ops, g) == b"22"
+    assert g not in ns.verified
+    new, fi = await open_path(ops, g, "d/g")  # ESTALE: the new version is a new node
+    assert new != g and bytes(await ops.read(fi.fh, 0, 100)) == b"22"
+    await ops.release(fi.fh)
 
 
 async def test_a_write_open_of_a_verified_file_is_refused(tmp_path: Path) -> None:

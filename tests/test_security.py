@@ -553,8 +553,8 @@ def test_mount_growing_file_costs_a_bounded_fetch(tmp_path: Path, mounter: Mount
             # while it was read), never a file cut at the size it was looked up at.
             try:
                 data = read_nofollow(m.mnt, "grow.bin")
-            except OSError as exc:
-                assert exc.errno == errno.EIO
+            except OSError as exc:  # (ESTALE: no version lasted from lookup to open)
+                assert exc.errno in (errno.EIO, errno.ESTALE)
             else:
                 assert data == head + b"x" * (len(data) - len(head))
                 whole += len(data)

@@ -32,14 +32,31 @@ BLOCK_SHIFT = 24
 _MASK = (1 << BLOCK_SHIFT) - 1
 
 
+# Block keys are signed 64-bit (the caches keep keys in int64 arrays), which leaves file
+# keys below 2**39 room. Larger ones (the namespace's fresh and foreign numbers, from 2**61;
+# 64-bit source inode numbers) stand in as the next free number from _BIG up, per process.
+_BIG = 1 << 38
+_stand_in: dict[int, int] = {}
+_stands_for: list[int] = []
+
+
 def block_key(key: int, index: int) -> int:
     """The cache key of block `index` of the file whose key is `key` (always < 0)."""
+    if key >= _BIG:
+        small = _stand_in.get(key)
+        if small is None:
+            small = _stand_in[key] = _BIG + len(_stands_for)
+            _stands_for.append(key)
+        key = small
     return -((key << BLOCK_SHIFT) | index) - 1
 
 
 def file_key(bkey: int) -> int:
     """The file key of a block key (identity for a file key)."""
-    return (-bkey - 1) >> BLOCK_SHIFT if bkey < 0 else bkey
+    if bkey >= 0:
+        return bkey
+    key = (-bkey - 1) >> BLOCK_SHIFT
+    return _stands_for[key - _BIG] if key >= _BIG else key
 
 
 def block_index(bkey: int) -> int:

@@ -10,10 +10,10 @@ among files and blocks alike) and the SSD tier (write-behind, checksums, restore
 entry per block, signed by the file).
 
 Reads: `read(handle, off, size)` answers with a memoryview slice of a resident block. A
-missing block is loaded once however many readers want it (single flight per block): from
-the SSD tier, else from the source in a worker thread, signed by an fstat on the same
-descriptor after the read (bytes of a file that changed meanwhile are never cached). The
-first read of an open counts it as a hit or a miss (cache/block_files.py).
+missing block is loaded once (single flight per block): from the SSD tier, else from the
+source in a worker thread, signed by an fstat on the same descriptor after the read (bytes
+of a file that changed meanwhile are never cached). An open's first read counts it as a hit
+or a miss (cache/block_files.py).
 
 Sequential or random (cache/extents.py): a handle streams while its reads continue one
 another. A random read of a block that is not resident and would not be kept gets the asked
@@ -27,15 +27,13 @@ policy did not admit waits in its handle (`staged`) until the reader takes it; s
 bytes and kept extents count against the window, so read-ahead never holds more than it.
 
 Revalidation: each block-cached file's signature is remembered; an open that sees another
-signature drops every block of the file in both tiers before anything is served.
-
-Policies see a block like any entry: `epoch` consumes a shard's blocks as its reader takes
-them (one access per block per handle: counted twice, it would look like a new epoch);
+signature, or a new version under another key (`retire`), drops every block of the file in
+both tiers. Policies see a block like any entry: `epoch` consumes a shard's blocks as its
+reader takes them (one access per block per handle: twice would look like a new epoch);
 `lru` and `belady` order blocks; `shade` ranks a block by its file's importance.
 
-Concurrency: everything runs in the trio thread except the source reads. After each await
-the state is re-read. A handle's descriptor is closed only once no read of it is in flight
-(`BlockHandle.users`): a descriptor number is never reused under a running pread.
+Concurrency: all in the trio thread but the source reads; state is re-read after each await.
+A descriptor is closed once no read of it is in flight (`BlockHandle.users`).
 """
 
 from __future__ import annotations
@@ -127,9 +125,7 @@ class Blocks:
         self.ahead_bytes = 0  # read-ahead in flight or staged
         # Random reads' extents (cache/extents.py), within a quarter of the window.
         self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4)
-        self.hits = 0
-        self.ssd_loads = 0
-        self.source_loads = 0
+        self.hits = self.ssd_loads = self.source_loads = 0
         self.read_ahead = self.revalidated = self.opens = 0
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -206,8 +202,7 @@ class Blocks:
             await self.source.close_fd(fd)
 
     async def _invalidate(self, key: int, path: bytes, old: Signature) -> None:
-        """The file changed: drop every block of its old version from both tiers."""
-        self.revalidated += 1
+        self.revalidated += 1  # (the file changed: every block of the old version goes)
         log.debug("%r changed: dropping its blocks", path)
         await drop_blocks(self.cache, key, old.size, self.block_size)
 
@@ -215,6 +210,10 @@ class Blocks:
         """`Cache.tier_of` of a file this daemon cached in blocks (0 for any other)."""
         sig = self._sigs.get(key)
         return 0 if sig is None else block_tier(self.cache, key, sig.size, self.block_size)
+
+    async def retire(self, key: int) -> None:  # a new version has another key (fs/revalidate)
+        if (sig := self._sigs.pop(key, None)) is not None:
+            await self._invalidate(key, b"a retired node", sig)
 
     async def evict(self, key: int) -> bool:
         """Drop a block-cached file's blocks from both tiers (`ctl evict PATH`)."""

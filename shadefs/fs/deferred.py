@@ -16,17 +16,18 @@ deferred miss, or the fetch at open as before), never what it serves.
 What the open still checks: a miss that fetched at open met the source's current version,
 and the identity rules (docs/developer-notes.md, "Identity") rely on that: a file changed
 within `--revalidate` is served in its new version, whole, without the kernel's old pages.
-A deferred open makes the same check without the bytes (one lstat, `answer`): a changed
-file is fetched at open as before; an unchanged one is answered with keep_cache, since the
-kernel's pages, if any, are of the version looked up.
+A deferred open makes the same check without the bytes (one lstat, `changed`): a changed
+file's node is retired (ESTALE, fs/revalidate.py) as at any open; an unchanged one is
+answered with keep_cache, since the kernel's pages, if any, are of the version looked up.
 
 The first read fetches through the cache's ordinary miss path (single flight, admission,
 the SSD tier's write-behind). Concurrent reads of one handle share one fetch; a failed
 fetch fails every later read of the handle (the kernel may already have served it pages:
 a retry could mix). A fetch that meets another version than the open answered (the file
 changed between the open and its first read) is never served: the kernel may have given
-this handle pages of the old one. The read fails with EIO and the node takes the new
-version (`fresh_stat`, which makes it `unsure`), so the next open serves it whole. A path
+this handle pages of the old one. The read fails with EIO and the node is due a check
+(`fresh_stat`): its next open retires it, and the kernel's retry opens the new version
+under a new node. A path
 that no longer leads to the file is ESTALE, as at open. A handle released unread fetches
 nothing (stats.json `handles.unread`).
 """
@@ -44,7 +45,6 @@ import trio
 from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature
-from shadefs.fs.kernel import invalidate_attrs
 from shadefs.fs.namespace import Namespace
 
 __all__ = ["Deferrals"]
@@ -100,16 +100,16 @@ class Deferrals:
         """The kernel dropped these inodes, and their pages with them."""
         self.kernel.forget(ino for ino, _ in items)
 
-    async def unchanged(self, inode: int, deferred: Deferred[_Fetched]) -> bool:
-        """Check at the source (one lstat) that the file is the version the open looked up
-        and the kernel's pages may be kept. False: it changed (the node has its new version
-        and is `unsure`), or another open found it did meanwhile: fetch now."""
+    async def changed(self, inode: int, deferred: Deferred[_Fetched]) -> bool:
+        """Whether the file has a new version at the source (one lstat) since the open
+        looked it up: the caller retires the node (fs/revalidate.py). The deferral is
+        dropped if the check fails."""
         try:
             _, changed = await self.ns.fresh_stat(inode, force=True)
         except BaseException:
             deferred.drop()
             raise
-        return not changed and inode not in self.ns.unsure
+        return changed
 
     def add(self, fh: int, inode: int, deferred: Deferred[_Fetched]) -> None:
         """`fh` is a deferred handle: its first read fetches."""
@@ -153,8 +153,7 @@ class Deferrals:
         # of the old one that the kernel may have served this handle already.
         self._unpin(got.data)
         log.info("%r changed between its open and first read: EIO", p.deferred.path)
-        await self.ns.fresh_stat(p.inode, force=True)  # the next open serves the new one
-        await invalidate_attrs(p.inode)
+        await self.ns.fresh_stat(p.inode, force=True)  # (its next open retires the node)
         raise pyfuse3.FUSEError(errno.EIO)
 
     def release(self, fh: int) -> bool:

@@ -52,6 +52,7 @@ class InodeNumbers:
     _renumbered: dict[int, int]
     _base_of: dict[int, int]
     _fresh_count: int
+    changed_files: int
 
     def _changed(self, ino: int) -> None:
         raise NotImplementedError  # the namespace's (fs/opened.py): drop what opens kept
@@ -102,10 +103,10 @@ class InodeNumbers:
 
     def claim(self, ino: int, snap: Snapshot, i: int) -> int:
         """The number to hand the kernel for row `i` of `snap` (whose number is `ino`): a
-        fresh one when the kernel references `ino` for a different file. That is a reused
-        inode number: another signature under another path (a version of the same file
-        under the same path, or a rename, keep the number and move the node). Directories
-        keep theirs (generation 0: the kernel never retires them; cwd survives a rename)."""
+        fresh one when the kernel references `ino` for a different file or another version
+        of a regular file: another signature (a rename or a hard link keep the number and
+        move the node). Directories keep theirs (generation 0: the kernel never retires
+        them; cwd survives a rename)."""
         val = self.table.get(ino)
         if val < 0 or val >> 32 == snap.slot:
             return ino  # not referenced, or this listing's row (or its hard link's)
@@ -119,10 +120,13 @@ class InodeNumbers:
             ost
         ) == Signature.of(nst):
             return ino
-        if old.child_path(oi) == snap.child_path(i):
-            return ino
-        # Its number is another file's now: the old node's file is gone or changed, so its
-        # next open checks the path (ESTALE, and the kernel's retry finds what is there).
+        if (old.dirino, old.name(oi)) == (snap.dirino, snap.name(i)):
+            if not stat.S_ISREG(nst.st_mode):
+                return ino  # a symlink's new version under its name: no pages to tell apart
+            self.changed_files += 1  # (else a reused number, as far as the table can tell)
+        # Its number is another file's now, or another version's (fs/revalidate.py): the old
+        # node's file is gone or changed, so its next open checks the path (ESTALE, and the
+        # kernel's retry finds what is there). The old node stays the old version.
         old.checked[oi] = -np.inf
         self._changed(ino)
         base = self._base_of.pop(ino, ino)

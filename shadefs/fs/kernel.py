@@ -50,18 +50,6 @@ def push_pages(inode: int, fh: int, data: bytes, handles: Mapping[int, int]) -> 
     return True
 
 
-async def invalidate_attrs(inode: int) -> None:
-    """Make the kernel forget a changed file's attributes (size, mtime).
-
-    Attribute-only invalidation takes no page locks, and it runs in a thread, so it cannot
-    wait on a request that this thread would have to answer.
-    """
-    try:
-        await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, True)
-    except Exception as exc:  # no FUSE session (handler tests) or the inode is gone
-        log.debug("invalidate_inode(%d) failed: %s", inode, exc)
-
-
 def forget_entry(parent: int, name: bytes) -> None:
     """Make the kernel drop its dentry `name` in `parent` (it leads to a gone inode), so
     that the next walk through it asks us; not awaited (see the module's docstring)."""

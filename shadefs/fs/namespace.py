@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import stat
 import time
@@ -41,22 +40,17 @@ from shadefs.cache.ssd_format import Signature
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
-from shadefs.fs.kernel import forget_entry
 from shadefs.fs.opened import OpenRecords
 from shadefs.fs.records import Node
 from shadefs.fs.relisting import Relisting
 from shadefs.fs.resolving import Resolving
+from shadefs.fs.revalidate import GONE, Revalidation
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.source import Source
 from shadefs.stats import NamespaceStats
 
 log = logging.getLogger(__name__)
 
-# Errors saying that a path no longer leads to what was looked up (ELOOP: a component on it
-# is now a symlink, which the source refuses to follow).
-_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
-# A node's path that no longer leads to it (the open answers ESTALE; ELOOP stays ELOOP).
-_MOVED = (errno.ENOENT, errno.ENOTDIR)
 _ROW = 0xFFFFFFFF
 
 
@@ -64,7 +58,7 @@ class _Moved(Exception):
     """A directory's path leads to another directory now (raised in a worker thread)."""
 
 
-class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting):
+class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -327,7 +321,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting):
             try:
                 return await self._list(ino, quiet)
             except pyfuse3.FUSEError as exc:
-                if exc.errno in _GONE:
+                if exc.errno in GONE:
                     raise
                 return old
         return await self._list(ino, quiet)
@@ -379,61 +373,6 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting):
         if not path:
             entries = [e for e in entries if e[0] != NAME]
         return scan_rows(entries)
-
-    async def fresh_stat(self, ino: int, *, force: bool = False) -> tuple[Stat, bool]:
-        """(stat, changed): checked against the source if `revalidate` has passed or on
-        `force`. A change updates the row and puts the inode in `unsure`; a path that leads
-        to another inode or to nothing raises ESTALE; a source that does not answer leaves
-        the old stat (its cached bytes stay servable), unless `force`."""
-        snap, i = self.locate(ino)
-        old = snap.stat(i)
-        now = time.monotonic()
-        if not force and (now - snap.checked[i] < self.revalidate or not self.source.healthy):
-            return old, False
-        path = snap.child_path(i)
-        try:
-            st = await self.source.lstat(path)
-        except pyfuse3.FUSEError as exc:
-            if exc.errno in _MOVED:
-                raise self.stale(ino) from None
-            if exc.errno in _GONE or force:
-                raise
-            return old, False
-        if self.ino_of(st) != ino or stat.S_IFMT(st.st_mode) != stat.S_IFMT(old.st_mode):
-            raise self.stale(ino)  # the path names another file now
-        self.revalidations += 1
-        changed = Signature.of(st) != Signature.of(old)
-        val = self.table.get(ino)  # where the inode is now (it may have moved or gone)
-        if val >= 0:
-            snap, i = self._snaps[val >> 32], val & _ROW  # type: ignore[assignment]
-            snap.checked[i] = now
-            if changed:
-                snap.set_stat(i, st)
-                self._changed(ino)
-                self.unsure.add(ino)
-        if not changed:
-            return old, False
-        self.changed_files += 1
-        log.info("%r changed on the source: refetching", path)
-        return Stat.of(st), True
-
-    def stale(self, ino: int) -> pyfuse3.FUSEError:
-        """ESTALE for a node whose path no longer leads to it. The kernel's one retry looks
-        the names up again: the parent's listing is aged so that the source answers."""
-        val = self.table.get(ino)
-        if val >= 0:
-            snap = self._snaps[val >> 32]
-            assert snap is not None
-            slot = self.listings.get(snap.dirino)
-            listing = self._snaps[slot] if slot is not None else None
-            if listing is not None:
-                listing.stamp = -math.inf
-            self._changed(ino)
-            i = val & _ROW
-            if snap.dirino:  # not the root: the kernel forgets the name, and asks again
-                forget_entry(snap.dirino, snap.name(i))
-            log.info("%r no longer leads to inode %d: ESTALE", snap.child_path(i), ino)
-        return pyfuse3.FUSEError(errno.ESTALE)
 
     def attrs(self, ino: int, st: Stat | os.stat_result) -> pyfuse3.EntryAttributes:
         return records.attrs(ino, st, self.timeout)

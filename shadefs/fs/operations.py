@@ -37,7 +37,7 @@ from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import PUSH_MAX, invalidate_attrs, push_pages
+from shadefs.fs.kernel import PUSH_MAX, push_pages
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -249,9 +249,9 @@ class Operations(ReadOnly):
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         if time.monotonic() - checked >= self.ns.revalidate:
-            st, changed = await self.ns.fresh_stat(inode)
-            if changed:
-                await invalidate_attrs(inode)
+            _, changed = await self.ns.fresh_stat(inode)
+            if changed:  # a new version: a new node (fs/revalidate.py)
+                raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
         lazy = seen and self.deferrals.kernel.worth_deferring() and inode not in self.ns.unsure
@@ -265,10 +265,13 @@ class Operations(ReadOnly):
                 if entry is None:  # read through: the kernel may keep no pages of it
                     return await self._open_through(inode, path, st)
                 if isinstance(entry, Deferred):
-                    if await self.deferrals.unchanged(inode, entry):
+                    if await self.deferrals.changed(inode, entry):
+                        entry.drop()  # a new version is a new node
+                        raise await self._retire(inode)
+                    if inode not in self.ns.unsure:
                         self.deferrals.add(fh := self._handle(inode), inode, entry)
                         return self._file_info(fh, inode)  # keep_cache: the version looked up
-                    entry = await entry.fetch()  # it changed: fetched now, checked below
+                    entry = await entry.fetch()  # the kernel's pages may be another's: fetch
             except pyfuse3.FUSEError as exc:
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
@@ -277,19 +280,15 @@ class Operations(ReadOnly):
                 entry.sig == Signature.of(st) and len(entry.data) == st.st_size
             ):
                 break  # a hit (the cache checked it), or the version looked up, whole
-            # (A fetch shared with an open that looked up a smaller size can be cut.)
             # The source had another version than the one looked up: make it the node's
-            # (ESTALE if the path now leads to another file), and tell the kernel its size.
-            try:
-                st, _ = await self.ns.fresh_stat(inode, force=True)
-                await invalidate_attrs(inode)
-            except BaseException:
-                self.cache.unpin(entry.data)
-                raise
-            if entry.sig == Signature.of(st) and len(entry.data) == st.st_size:
-                break
+            # (ESTALE if the path now leads to another file), and have the kernel look it
+            # up (ESTALE): never served under the old version's inode and size. Or a fetch
+            # shared with an open that looked up a smaller size was cut: fetch again.
             self.cache.unpin(entry.data)
-        else:  # it changed again: never serve a version that no open asked for
+            _, changed = await self.ns.fresh_stat(inode, force=True)
+            if changed:
+                raise await self._retire(inode)
+        else:  # cut twice: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = entry.data  # unpinned at release
         if inode not in self.ns.unsure:  # the kernel's pages are this version
@@ -301,6 +300,14 @@ class Operations(ReadOnly):
                 self.metrics.bytes_served += len(entry.data)  # the kernel has them all
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         return self._file_info(fh, inode)
+
+    async def _retire(self, inode: int) -> pyfuse3.FUSEError:
+        """ESTALE for an open of a node whose file has a new version; the node's cached
+        bytes go (no open of the node will serve them, and the new node has its own)."""
+        await self.cache.evict(inode)
+        if self.blocks is not None:
+            await self.blocks.retire(inode)
+        return self.ns.retire(inode)
 
     def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
@@ -317,9 +324,11 @@ class Operations(ReadOnly):
         fd, now = await self.source.open_file(path)
         try:
             if Signature.of(now) != Signature.of(st):
-                # Another version than looked up: the node's now (ESTALE: another file).
-                await self.ns.fresh_stat(inode, force=True)
-                await invalidate_attrs(inode)
+                # Another version than looked up: the node's now (ESTALE: another file),
+                # and the kernel's inode retired (ESTALE) as in `_open`.
+                _, changed = await self.ns.fresh_stat(inode, force=True)
+                if changed:
+                    raise await self._retire(inode)
         except BaseException:
             await self.source.close_fd(fd)
             raise
