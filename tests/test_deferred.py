@@ -141,19 +141,12 @@ async def test_a_file_removed_before_its_first_read_is_estale(tmp_path: Path) ->
     assert svc.cache.handles.held == 0
 
 
-async def test_a_first_open_and_an_unsure_inode_fetch_at_open(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_first_open_fetches_at_open(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"f": OLD})
     ops, svc = make_fs(src, ram=8 << 20)
     ino = await lookup_path(ops, "f")
     fi = await ops.open(ino, os.O_RDONLY, CTX)  # never opened: the kernel holds no pages
     assert svc.source.bytes_read == len(OLD)  # fetched at open, one source call
-    await ops.release(fi.fh)
-    svc.cache.drop()
-    svc.namespace.unsure.add(ino)  # its pages may be of another version
-    fi = await ops.open(ino, os.O_RDONLY, CTX)
-    assert not fi.keep_cache and svc.source.bytes_read == 2 * len(OLD)
     await ops.release(fi.fh)
     assert svc.cache.describe().handles.deferred == 0
 

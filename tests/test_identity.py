@@ -271,11 +271,12 @@ async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
     fi = await ops.open(ino, os.O_RDONLY, CTX)
     with open(src / "d" / "f", "ab") as f:
         f.write(b"+" * 5000)
+    await readdir_names(ops, d)  # readdirplus hands the new version out: a new node, and
+    assert ino not in svc.cache.entries  # nothing cached under the old one is served again
     for _ in range(2):  # every open of the node is ESTALE from now on
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.open(ino, os.O_RDONLY, CTX)
         assert e.value.errno == errno.ESTALE
-    await readdir_names(ops, d)  # readdirplus hands the new version out: a new node
     new = svc.namespace.ino_of((src / "d" / "f").lstat())
     assert new != ino and (await ops.getattr(new, CTX)).st_size == len(OLD) + 5000
     assert (await ops.getattr(ino, CTX)).st_size == len(OLD) == svc.namespace.stat(ino).st_size

@@ -8,10 +8,10 @@ deferred miss (`Cache.open_entry(..., lazy=True)`, cache/lazy.py) when the kerne
 pages of the inode, and the handle's first read that reaches the daemon fetches.
 
 Which opens are deferred: those of inodes the kernel may hold pages of, that is, opened
-since the kernel last forgot them (a forget drops the kernel's inode with its pages), and
-not `unsure` (whose pages the next open drops anyway): cache/kernel_pages.py keeps that
-without a per-file object. A wrong guess only changes which path an open takes (a
-deferred miss, or the fetch at open as before), never what it serves.
+since the kernel last forgot them (a forget drops the kernel's inode with its pages):
+cache/kernel_pages.py keeps that without a per-file object. A wrong guess only changes
+which path an open takes (a deferred miss, or the fetch at open as before), never what it
+serves.
 
 What the open still checks: a miss that fetched at open met the source's current version,
 and the identity rules (docs/developer-notes.md, "Identity") rely on that: a file changed

@@ -62,6 +62,9 @@ class InodeNumbers:
         self._renumbered = {}
         self._base_of = {}
         self._fresh_count = 0
+        #: nodes that lost their file or version to a fresh number: the data path drops
+        #: what it cached under them (no open of them will be served again)
+        self.retired: list[int] = []
 
     def key_of_ino(self, st_ino: int) -> int:
         """The inode number of a source inode on the root's device (for restored entries)."""
@@ -129,6 +132,7 @@ class InodeNumbers:
         # kernel's retry finds what is there). The old node stays the old version.
         old.checked[oi] = -np.inf
         self._changed(ino)
+        self.retired.append(ino)
         base = self._base_of.pop(ino, ino)
         fresh = _FRESH_BASE + self._fresh_count
         self._fresh_count += 1

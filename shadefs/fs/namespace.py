@@ -11,11 +11,11 @@ directories for itself), is asked of the source alone and kept as a one-row snap
 Per-file state is compact (snapshots.py): a node is a snapshot row; its path is the
 snapshot's directory path plus the row's name. A node moves to the row the kernel last heard
 of it by (readdirplus, lookup): a refreshed listing, a rename, a hard link's other name, a
-reused inode number (unless the kernel still references the node for another file:
-inode_numbers.py). A regular file whose stat changed on the way joins `unsure` (the
-kernel's pages may be of another version), a directory loses its listing. A path is only
-where a file was: an open whose path leads elsewhere gets ESTALE (`stale`), and the kernel's
-one retry looks the names up again (docs/developer-notes.md, "Identity").
+reused inode number (unless the kernel still references the node for another file or
+another version of a regular file: a fresh number, inode_numbers.py and revalidate.py). A
+directory whose stat changed on the way loses its listing. A path is only where a file was:
+an open whose path leads elsewhere gets ESTALE (`stale`), and the kernel's one retry looks
+the names up again (docs/developer-notes.md, "Identity").
 
 When the source is not answering, revalidation falls back to what it has: cached files keep
 being served and `ls` works on the last snapshot. The source never follows a symlink
@@ -92,9 +92,6 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         # stat or path changes (`_changed`: _move, forget, fresh_stat, stale, claim).
         self._init_records()
         self._init_relisting()
-        #: inodes whose kernel pages may be of another version than their row: the next
-        #: open of each drops them (operations.py); small, only changed files are in it
-        self.unsure: set[int] = set()
 
     def describe(self) -> NamespaceStats:
         return NamespaceStats(
@@ -194,13 +191,10 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
             if moved_dir:
                 self._drop_listing(ino)  # listed under its old path: list it again
         else:
-            # Another version (or another file under a reused number): the kernel was just
-            # told its new attributes; its pages may still be the old version's.
+            # Another version of a directory or symlink (a regular file's has a number of its
+            # own: `claim`): the kernel was just told its new attributes.
             self._move(ino, old, oi, snap, i, time.monotonic())
             self._drop_listing(ino)
-            if stat.S_ISREG(nst.st_mode):
-                self.unsure.add(ino)
-                self.changed_files += 1
         return ino
 
     def remember_rows(self, snap: Snapshot, lo: int, hi: int) -> None:
@@ -257,7 +251,6 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
             table.pop(ino)
             self.forget_number(ino)
             self._changed(ino)
-            self.unsure.discard(ino)  # the kernel's inode and its pages are gone
             self._drop_listing(ino)
             self._release(snap)
 

@@ -41,6 +41,7 @@ from shadefs.fs.kernel import PUSH_MAX, push_pages
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
+from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.source import OPENER, Source
 from shadefs.stats import Metrics
@@ -112,6 +113,8 @@ class Operations(ReadOnly):
         if parent_inode == ROOT_INODE and name == NAME or Control.owns(parent_inode):
             return self.control.lookup(parent_inode, name)
         ino, st = await self.ns.lookup(parent_inode, name)
+        if self.ns.retired:
+            await self._drop_retired()
         return self.ns.attrs(ino, st)
 
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
@@ -155,10 +158,17 @@ class Operations(ReadOnly):
                 if i >= start_id and not pyfuse3.readdir_reply(token, name, dot, i + 1):
                     return
             start_id = 2
+        self._reply_rows(listing, start_id - 2, token)
+        if self.ns.retired:
+            await self._drop_retired()
+
+    def _reply_rows(self, listing: Snapshot, start: int, token: pyfuse3.ReaddirToken) -> None:
+        """readdirplus entries from row `start` of `listing` until the kernel's buffer is
+        full."""
         remember_rows, timeout = self.ns.remember_rows, self.ns.timeout
         names, offs, n = listing.names, listing.offs, len(listing)
         # Rows are converted a chunk at a time: the kernel's buffer takes a few dozen.
-        for lo in range(start_id - 2, n, _READDIR_CHUNK):
+        for lo in range(start, n, _READDIR_CHUNK):
             hi = min(lo + _READDIR_CHUNK, n)
             rows = listing.rows[lo:hi].tolist()
             inos = self.ns.claim_rows(listing, lo, hi)
@@ -197,8 +207,8 @@ class Operations(ReadOnly):
     ) -> pyfuse3.FileInfo | Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
         an open verified since its node last changed (fs/opened.py; an evicted entry's
-        record goes with it). The node's check must not be due, its pages not `unsure`, and
-        the file still RAM's to serve (not blocks', after a budget shrank). PASS: `open`."""
+        record goes with it). The node's check must not be due, and the file still RAM's to
+        serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
         if rec is None or flags & _WRITE_FLAGS:
             return PASS
@@ -206,11 +216,7 @@ class Operations(ReadOnly):
         # cache miss on a warm open, where the kernel and the readers ran in between.)
         data = rec[3]
         cache, ns = self.cache, self.ns
-        if (
-            time.monotonic() - rec[1] >= ns.revalidate
-            or inode in ns.unsure
-            or len(data) > cache.ram_max
-        ):
+        if time.monotonic() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
             return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
@@ -254,7 +260,7 @@ class Operations(ReadOnly):
                 raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
-        lazy = seen and self.deferrals.kernel.worth_deferring() and inode not in self.ns.unsure
+        lazy = seen and self.deferrals.kernel.worth_deferring()
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
                 blocks = self.blocks
@@ -268,10 +274,8 @@ class Operations(ReadOnly):
                     if await self.deferrals.changed(inode, entry):
                         entry.drop()  # a new version is a new node
                         raise await self._retire(inode)
-                    if inode not in self.ns.unsure:
-                        self.deferrals.add(fh := self._handle(inode), inode, entry)
-                        return self._file_info(fh, inode)  # keep_cache: the version looked up
-                    entry = await entry.fetch()  # the kernel's pages may be another's: fetch
+                    self.deferrals.add(fh := self._handle(inode), inode, entry)
+                    return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # the version looked up
             except pyfuse3.FUSEError as exc:
                 if exc.errno in _MOVED:
                     raise self.ns.stale(inode) from None
@@ -291,23 +295,29 @@ class Operations(ReadOnly):
         else:  # cut twice: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
         self._mem[fh := self._handle(inode)] = entry.data  # unpinned at release
-        if inode not in self.ns.unsure:  # the kernel's pages are this version
-            resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
-            if resident is not None and resident.data is entry.data and changes == self.ns.changes:
-                self._verify(inode, resident, st, path, checked)
-            push = not seen or fh - self._push_fh <= _REPUSH
-            if push and push_pages(inode, fh, entry.data, self._inode_of):
-                self.metrics.bytes_served += len(entry.data)  # the kernel has them all
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
-        return self._file_info(fh, inode)
+        resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
+        if resident is not None and resident.data is entry.data and changes == self.ns.changes:
+            self._verify(inode, resident, st, path, checked)
+        push = not seen or fh - self._push_fh <= _REPUSH
+        if push and push_pages(inode, fh, entry.data, self._inode_of):
+            self.metrics.bytes_served += len(entry.data)  # the kernel has them all
+        # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def _retire(self, inode: int) -> pyfuse3.FUSEError:
-        """ESTALE for an open of a node whose file has a new version; the node's cached
-        bytes go (no open of the node will serve them, and the new node has its own)."""
-        await self.cache.evict(inode)
-        if self.blocks is not None:
-            await self.blocks.retire(inode)
+        """ESTALE for an open of a node whose file has a new version (its cached bytes go)."""
+        self.ns.retired.append(inode)
+        await self._drop_retired()
         return self.ns.retire(inode)
+
+    async def _drop_retired(self) -> None:
+        """Drop what is cached under nodes that lost their file or version (`ns.retired`):
+        no open of them is served again, and the new node has its own."""
+        while self.ns.retired:
+            inode = self.ns.retired.pop()
+            await self.cache.evict(inode)
+            if self.blocks is not None:
+                await self.blocks.retire(inode)
 
     def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
@@ -333,7 +343,8 @@ class Operations(ReadOnly):
             await self.source.close_fd(fd)
             raise
         self._fds[fh := self._handle(inode)] = fd
-        return self._file_info(fh, inode, keep=False)
+        # No pages kept: the source is read as it is now, the pages are of earlier reads.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
     def _handle(self, inode: int) -> FileHandleT:
         """A new file handle of `inode`."""
@@ -341,23 +352,6 @@ class Operations(ReadOnly):
         self._next_fh += 1
         self._inode_of[fh] = inode
         return fh
-
-    def _file_info(self, fh: FileHandleT, inode: int, keep: bool = True) -> pyfuse3.FileInfo:
-        """keep_cache when the kernel's pages of `inode` are of the version this handle
-        serves: not when it is `unsure` (another version was seen since the kernel last
-        filled them). Without keep_cache the kernel drops the inode's pages as it opens the
-        file: an invalidation with no reverse call that could deadlock against a read in
-        flight (reference/fuse-anchors.md §2). But while other handles of the inode are
-        open, their reads would fill the pages again with their own version, and ours
-        theirs: this handle then bypasses the page cache (direct_io) until they close."""
-        if inode in self.ns.unsure:
-            # Counted only here (rarely): a count kept per open would cost every hit.
-            if sum(1 for i in self._inode_of.values() if i == inode) > 1:
-                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=True)  # theirs
-            if keep:  # a pass-through handle fills pages with whatever the source has now
-                self.ns.unsure.discard(inode)
-            keep = False
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def _open_blocks(
         self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
@@ -367,7 +361,7 @@ class Operations(ReadOnly):
         self._blk[fh := self._handle(inode)] = handle
         # Only a file whose every block is resident may keep the kernel's pages: otherwise
         # they could outlive a change that this open has just revalidated.
-        return self._file_info(fh, inode, keep=resident)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=resident)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
