@@ -406,14 +406,15 @@ class Cache(Hits):
         ssd = self.ssd
         return list(self.entries) + (list(ssd.index) if ssd is not None else [])
 
-    async def evict(self, key: int) -> bool:
-        """Drop `key` from every tier; False if it was not cached."""
+    async def evict(self, key: int, *, stale: bool = False) -> bool:
+        """Drop `key` from every tier; False if it was not cached. `stale`: its file has a
+        new version under another key (fs/revalidate.py): not counted as an eviction."""
         found = key in self.entries
         if found:
             self._remove(key)
-            self.evictions += 1
+            self.evictions += not stale
         if self.ssd is not None:
-            found = await self.ssd.evict(key) or found
+            found = await self.ssd.evict(key, stale=stale) or found
         return found
 
     def describe(self) -> CacheStats:

@@ -27,6 +27,7 @@ derived from the source inode in its signature, the same way the namespace deriv
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_format import Signature, disk_size, entry_size
+from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.stats import RestoreStats, SsdStats
 
@@ -229,18 +230,22 @@ class SsdTier:
         if self.store.over_high_watermark():
             self._wake_evictor.set()
 
-    async def _evict(self, key: int) -> None:
+    async def _evict(self, key: int, stale: bool = False) -> None:
         entry = self.index.get(key)
         if entry is None:
             return
         self._forget(key)
-        self.evictions += 1
+        if stale:
+            self.store.ledger.count_bad(Verdict.STALE, os.fsdecode(entry[0]))
+        else:
+            self.evictions += 1
         await trio.to_thread.run_sync(self.store.remove, entry[0])
 
-    async def evict(self, key: int) -> bool:
+    async def evict(self, key: int, *, stale: bool = False) -> bool:
+        """Drop `key`'s entry; `stale`: its file has a new version (`stale_entries`)."""
         if key not in self.index:
             return False
-        await self._evict(key)
+        await self._evict(key, stale)
         return True
 
     # --- restore and watermarks ---------------------------------------------------------

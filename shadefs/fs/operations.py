@@ -315,7 +315,7 @@ class Operations(ReadOnly):
         no open of them is served again, and the new node has its own."""
         while self.ns.retired:
             inode = self.ns.retired.pop()
-            await self.cache.evict(inode)
+            await self.cache.evict(inode, stale=True)
             if self.blocks is not None:
                 await self.blocks.retire(inode)
 
