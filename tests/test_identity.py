@@ -285,6 +285,11 @@ async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
     assert (await ops.lookup(d, b"f", CTX)).st_ino == new  # a lookup finds the new one too
     await ops.forget([(ino, 1)])  # the kernel lets the old inode go
     assert ino not in svc.namespace.table and new in svc.namespace.table
+    await read_all(ops, new)
+    assert new in svc.cache.entries
+    await ops.forget([(new, 2)])  # and the new one: its number goes, and what it cached
+    await lookup_path(ops, "d/f")
+    assert new not in svc.cache.entries and not svc.namespace.retired
 
 
 async def test_a_path_through_a_renamed_directory_is_estale_even_at_the_same_number(

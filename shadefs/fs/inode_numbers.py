@@ -155,8 +155,11 @@ class InodeNumbers:
         return inos
 
     def forget_number(self, ino: int) -> None:
-        """The kernel forgot `ino`: a fresh number's source inode gets its own back."""
+        """The kernel forgot `ino`: a fresh number's source inode gets its own back, and
+        what was cached under the fresh number would never be found again (`retired`)."""
         if self._base_of:
             base = self._base_of.pop(ino, None)
-            if base is not None and self._renumbered.get(base) == ino:
-                del self._renumbered[base]
+            if base is not None:
+                self.retired.append(ino)
+                if self._renumbered.get(base) == ino:
+                    del self._renumbered[base]
