@@ -273,6 +273,7 @@ async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
         f.write(b"+" * 5000)
     await readdir_names(ops, d)  # readdirplus hands the new version out: a new node, and
     assert ino not in svc.cache.entries  # nothing cached under the old one is served again
+    assert svc.cache.evictions == 0  # (dropped as stale, not evicted)
     for _ in range(2):  # every open of the node is ESTALE from now on
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.open(ino, os.O_RDONLY, CTX)
@@ -290,6 +291,7 @@ async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
     await ops.forget([(new, 2)])  # and the new one: its number goes, and what it cached
     await lookup_path(ops, "d/f")
     assert new not in svc.cache.entries and not svc.namespace.retired
+    assert svc.cache.evictions == 1  # (not stale: the file did not change)
 
 
 async def test_a_path_through_a_renamed_directory_is_estale_even_at_the_same_number(

@@ -165,7 +165,7 @@ class Blocks:
         sig = Signature.of(st)
         old = self._sigs.get(key)
         if old is not None and old != sig:
-            await self._invalidate(key, path, old)
+            await self._invalidate(key, old)
         self._sigs[key] = sig
         self.opens += 1
         h = BlockHandle(key, path, sig, self.block_size)
@@ -201,9 +201,9 @@ class Blocks:
             fd, h.fd = h.fd, -1
             await self.source.close_fd(fd)
 
-    async def _invalidate(self, key: int, path: bytes, old: Signature) -> None:
+    async def _invalidate(self, key: int, old: Signature) -> None:
         self.revalidated += 1  # (the file changed: every block of the old version goes)
-        log.debug("%r changed: dropping its blocks", path)
+        log.debug("file %d changed: dropping its blocks", key)
         await drop_blocks(self.cache, key, old.size, self.block_size)
 
     def tier_of(self, key: int) -> int:
@@ -213,7 +213,7 @@ class Blocks:
 
     async def retire(self, key: int) -> None:  # a new version has another key (fs/revalidate)
         if (sig := self._sigs.pop(key, None)) is not None:
-            await self._invalidate(key, b"a retired node", sig)
+            await self._invalidate(key, sig)
 
     async def evict(self, key: int) -> bool:
         """Drop a block-cached file's blocks from both tiers (`ctl evict PATH`)."""

@@ -27,9 +27,8 @@ a retry could mix). A fetch that meets another version than the open answered (t
 changed between the open and its first read) is never served: the kernel may have given
 this handle pages of the old one. The read fails with EIO and the node is due a check
 (`fresh_stat`): its next open retires it, and the kernel's retry opens the new version
-under a new node. A path
-that no longer leads to the file is ESTALE, as at open. A handle released unread fetches
-nothing (stats.json `handles.unread`).
+under a new node. A path that no longer leads to the file is ESTALE, as at open. A handle
+released unread fetches nothing (stats.json `handles.unread`).
 """
 
 from __future__ import annotations

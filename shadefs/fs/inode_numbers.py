@@ -62,9 +62,10 @@ class InodeNumbers:
         self._renumbered = {}
         self._base_of = {}
         self._fresh_count = 0
-        #: nodes that lost their file or version to a fresh number: the data path drops
-        #: what it cached under them (no open of them will be served again)
-        self.retired: list[int] = []
+        #: (number, stale) of nodes whose cached bytes no open will be served again, for
+        #: the data path to drop: stale, a node that lost its file or version to a fresh
+        #: number; not, a fresh number the kernel forgot (its file gets its own back)
+        self.retired: list[tuple[int, bool]] = []
 
     def key_of_ino(self, st_ino: int) -> int:
         """The inode number of a source inode on the root's device (for restored entries)."""
@@ -126,13 +127,13 @@ class InodeNumbers:
         if (old.dirino, old.name(oi)) == (snap.dirino, snap.name(i)):
             if not stat.S_ISREG(nst.st_mode):
                 return ino  # a symlink's new version under its name: no pages to tell apart
-            self.changed_files += 1  # (else a reused number, as far as the table can tell)
+            self.changed_files += 1  # a new version under its name (not: a reused number)
         # Its number is another file's now, or another version's (fs/revalidate.py): the old
         # node's file is gone or changed, so its next open checks the path (ESTALE, and the
         # kernel's retry finds what is there). The old node stays the old version.
         old.checked[oi] = -np.inf
         self._changed(ino)
-        self.retired.append(ino)
+        self.retired.append((ino, True))
         base = self._base_of.pop(ino, ino)
         fresh = _FRESH_BASE + self._fresh_count
         self._fresh_count += 1
@@ -160,6 +161,6 @@ class InodeNumbers:
         if self._base_of:
             base = self._base_of.pop(ino, None)
             if base is not None:
-                self.retired.append(ino)
+                self.retired.append((ino, False))
                 if self._renumbered.get(base) == ino:
                     del self._renumbered[base]

@@ -306,7 +306,7 @@ class Operations(ReadOnly):
 
     async def _retire(self, inode: int) -> pyfuse3.FUSEError:
         """ESTALE for an open of a node whose file has a new version (its cached bytes go)."""
-        self.ns.retired.append(inode)
+        self.ns.retired.append((inode, True))
         await self._drop_retired()
         return self.ns.retire(inode)
 
@@ -314,10 +314,10 @@ class Operations(ReadOnly):
         """Drop what is cached under nodes that lost their file or version (`ns.retired`):
         no open of them is served again, and the new node has its own."""
         while self.ns.retired:
-            inode = self.ns.retired.pop()
-            await self.cache.evict(inode, stale=True)
+            inode, stale = self.ns.retired.pop()
+            await self.cache.evict(inode, stale=stale)  # stale_entries, or evictions
             if self.blocks is not None:
-                await self.blocks.retire(inode)
+                await (self.blocks.retire(inode) if stale else self.blocks.evict(inode))
 
     def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
         """Keep for the node's reopens that its resident `entry` is its version (`st`, found
