@@ -43,8 +43,7 @@ _ROW = 0xFFFFFFFF
 
 
 class Revalidation:
-    """`fresh_stat`, `stale`, `retire` and the kernel's stats; the namespace supplies the
-    attributes below, `locate`, `ino_of` and `_changed`."""
+    """`fresh_stat`, `stale` and `retire`; the namespace supplies the attributes below."""
 
     source: Source
     revalidate: float
