@@ -12,6 +12,7 @@ import pyfuse3
 import pytest
 
 from shadefs import source as source_mod
+from shadefs import source_paths
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE
@@ -309,20 +310,20 @@ async def test_a_path_through_a_renamed_directory_is_estale_even_at_the_same_num
     (src / "d" / "f").write_bytes(NEW)
     new_ino = (src / "d" / "f").stat().st_ino
 
-    def reused(st: os.stat_result) -> os.stat_result:
-        if st.st_ino != new_ino:
-            return st
-        return os.stat_result((st[0], old_ino, *st[2:]))
-
-    from shadefs import source_paths
+    def reused(st: os.stat_result) -> os.stat_result:  # the new file, at the old number
+        return os.stat_result((st[0], old_ino, *st[2:])) if st.st_ino == new_ino else st
 
     real_at, real_in = source_paths._lstat_at, source_paths._lstat_with_parent
-    monkeypatch.setattr(source_paths, "_lstat_at", lambda n, fd: reused(real_at(n, fd)))
-    monkeypatch.setattr(
-        source_paths,
-        "_lstat_with_parent",
-        lambda n, fd: (lambda d, s: (d, reused(s)))(*real_in(n, fd)),
-    )
+
+    def lstat_at(name: bytes, fd: int) -> os.stat_result:
+        return reused(real_at(name, fd))
+
+    def lstat_in(name: bytes, fd: int) -> tuple[os.stat_result, os.stat_result]:
+        dst, st = real_in(name, fd)
+        return dst, reused(st)
+
+    monkeypatch.setattr(source_paths, "_lstat_at", lstat_at)
+    monkeypatch.setattr(source_paths, "_lstat_with_parent", lstat_in)
     with pytest.raises(pyfuse3.FUSEError) as e:
         await svc.namespace.fresh_stat(ino, force=True)
     assert e.value.errno == errno.ESTALE

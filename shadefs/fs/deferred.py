@@ -45,13 +45,11 @@ from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature
 from shadefs.fs.namespace import Namespace
+from shadefs.fs.revalidate import MOVED
 
 __all__ = ["Deferrals"]
 
 log = logging.getLogger(__name__)
-
-# Errors of a fetch saying that the node's path no longer leads to it.
-_MOVED = (errno.ENOENT, errno.ENOTDIR)
 
 
 def _eio() -> pyfuse3.FUSEError:
@@ -104,11 +102,10 @@ class Deferrals:
         looked it up: the caller retires the node (fs/revalidate.py). The deferral is
         dropped if the check fails."""
         try:
-            _, changed = await self.ns.fresh_stat(inode, force=True)
+            return await self.ns.fresh_stat(inode, force=True)
         except BaseException:
             deferred.drop()
             raise
-        return changed
 
     def add(self, fh: int, inode: int, deferred: Deferred[_Fetched]) -> None:
         """`fh` is a deferred handle: its first read fetches."""
@@ -142,7 +139,7 @@ class Deferrals:
         try:
             got = await p.deferred.fetch()
         except pyfuse3.FUSEError as exc:
-            if exc.errno in _MOVED:
+            if exc.errno in MOVED:
                 raise self.ns.stale(p.inode) from None
             raise
         st = p.deferred.st

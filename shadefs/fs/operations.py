@@ -41,6 +41,7 @@ from shadefs.fs.kernel import PUSH_MAX, push_pages
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
+from shadefs.fs.revalidate import MOVED
 from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.source import OPENER, Source
@@ -51,8 +52,6 @@ log = logging.getLogger(__name__)
 
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
-# Errors of a fetch saying that the node's path no longer leads to it (ELOOP stays ELOOP).
-_MOVED = (errno.ENOENT, errno.ENOTDIR)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 # Reopens push their bytes to the kernel too (`push_pages`) for this many handles after a
 # handle of resident bytes had to be read within this many handles of the previous such
@@ -254,10 +253,9 @@ class Operations(ReadOnly):
         changes = self.ns.changes  # whether a node changed while this open awaited
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
-        if time.monotonic() - checked >= self.ns.revalidate:
-            _, changed = await self.ns.fresh_stat(inode)
-            if changed:  # a new version: a new node (fs/revalidate.py)
-                raise await self._retire(inode)
+        due = time.monotonic() - checked >= self.ns.revalidate
+        if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
+            raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
         lazy = seen and self.deferrals.kernel.worth_deferring()
@@ -277,20 +275,19 @@ class Operations(ReadOnly):
                     self.deferrals.add(fh := self._handle(inode), inode, entry)
                     return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # the version looked up
             except pyfuse3.FUSEError as exc:
-                if exc.errno in _MOVED:
+                if exc.errno in MOVED:
                     raise self.ns.stale(inode) from None
                 raise
             if entry is self.cache.entries.get(inode) or (
                 entry.sig == Signature.of(st) and len(entry.data) == st.st_size
             ):
                 break  # a hit (the cache checked it), or the version looked up, whole
-            # The source had another version than the one looked up: make it the node's
-            # (ESTALE if the path now leads to another file), and have the kernel look it
-            # up (ESTALE): never served under the old version's inode and size. Or a fetch
-            # shared with an open that looked up a smaller size was cut: fetch again.
+            # The source had another version than the one looked up: the node is retired
+            # (ESTALE, as when the path now leads to another file), never served under the
+            # old version's inode and size. Or a fetch shared with an open that looked
+            # up a smaller size was cut: fetch again.
             self.cache.unpin(entry.data)
-            _, changed = await self.ns.fresh_stat(inode, force=True)
-            if changed:
+            if await self.ns.fresh_stat(inode, force=True):
                 raise await self._retire(inode)
         else:  # cut twice: never serve a version that no open asked for
             raise pyfuse3.FUSEError(errno.EIO)
@@ -333,12 +330,11 @@ class Operations(ReadOnly):
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
         fd, now = await self.source.open_file(path)
         try:
-            if Signature.of(now) != Signature.of(st):
-                # Another version than looked up: the node's now (ESTALE: another file),
-                # and the kernel's inode retired (ESTALE) as in `_open`.
-                _, changed = await self.ns.fresh_stat(inode, force=True)
-                if changed:
-                    raise await self._retire(inode)
+            # Another version than looked up: the node is retired as in `_open` (ESTALE
+            # too if the path leads to another file now).
+            moved = Signature.of(now) != Signature.of(st)
+            if moved and await self.ns.fresh_stat(inode, force=True):
+                raise await self._retire(inode)
         except BaseException:
             await self.source.close_fd(fd)
             raise

@@ -3,7 +3,6 @@ sampler's file list and the residency queries (mixed into the namespace)."""
 
 from __future__ import annotations
 
-import errno
 import time
 from collections.abc import Sequence
 
@@ -13,11 +12,9 @@ import pyfuse3
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.records import Resolved
+from shadefs.fs.revalidate import GONE
 from shadefs.fs.snapshots import Snapshot
 from shadefs.source import Source
-
-# A parent that is gone, not a directory, or reached through a symlink: its paths are missing.
-_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 class Resolving:
@@ -56,7 +53,7 @@ class Resolving:
                 try:
                     names, rows, devs = await self.source.run(self._scan, parent)
                 except pyfuse3.FUSEError as exc:
-                    if exc.errno in _GONE:
+                    if exc.errno in GONE:
                         continue
                     raise
                 inos = self._inos(rows, devs)

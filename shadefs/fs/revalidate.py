@@ -29,7 +29,7 @@ import pyfuse3
 
 from shadefs.cache.ssd_format import Signature
 from shadefs.fs.kernel import forget_entry
-from shadefs.fs.snapshots import InodeTable, Snapshot, Stat
+from shadefs.fs.snapshots import InodeTable, Snapshot
 from shadefs.source import Source
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class Revalidation:
     ino_of: Callable[[os.stat_result], int]
     _changed: Callable[[int], None]
 
-    async def fresh_stat(self, ino: int, *, force: bool = False) -> tuple[Stat, bool]:
-        """(stat, changed): checked against the source if `revalidate` has passed or on
-        `force`. A regular file's change leaves the row as it is (the node is the old
+    async def fresh_stat(self, ino: int, *, force: bool = False) -> bool:
+        """Whether the file changed, checked against the source if `revalidate` has passed
+        or on `force`. A regular file's change leaves the row as it is (the node is the old
         version: the caller `retire`s it), any other's updates the row; a path that leads to
         another inode or to nothing, or through another directory than the node's, raises
         ESTALE; a source that does not answer leaves the old stat (its cached bytes stay
@@ -67,7 +67,7 @@ class Revalidation:
         old = snap.stat(i)
         now = time.monotonic()
         if not force and (now - snap.checked[i] < self.revalidate or not self.source.healthy):
-            return old, False
+            return False
         path = snap.child_path(i)
         # The parent's inode, to check the path's directory against: a directory renamed
         # since the row was made leaves the path leading into whatever took its name, where
@@ -85,7 +85,7 @@ class Revalidation:
                 raise self.stale(ino) from None
             if exc.errno in GONE or force:
                 raise
-            return old, False
+            return False
         if self.ino_of(st) != ino or stat.S_IFMT(st.st_mode) != stat.S_IFMT(old.st_mode):
             raise self.stale(ino)  # the path names another file now
         self.revalidations += 1
@@ -93,18 +93,18 @@ class Revalidation:
         val = self.table.get(ino)  # where the inode is now (it may have moved or gone)
         if val >= 0:
             snap, i = self._snaps[val >> 32], val & _ROW  # type: ignore[assignment]
-            snap.checked[i] = now
-            if changed and stat.S_ISREG(st.st_mode):
+            if not changed:
+                snap.checked[i] = now
+            elif stat.S_ISREG(st.st_mode):
                 snap.checked[i] = -math.inf  # every open of it checks, and is retired
                 self._changed(ino)
-            elif changed:
+            else:
+                snap.checked[i] = now
                 snap.set_stat(i, st)
                 self._changed(ino)
-        if not changed:
-            return old, False
-        # (Counted in `changed_files` once its new version is handed out: `claim`.)
-        log.info("%r changed on the source", path)
-        return Stat.of(st), True
+        if changed:  # (counted in `changed_files` once the new version is handed out)
+            log.info("%r changed on the source", path)
+        return changed
 
     def _parent_ino(self, snap: Snapshot) -> int | None:
         """The source inode number of the directory `snap`'s rows are in (None: unknown)."""
