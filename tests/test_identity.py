@@ -331,3 +331,21 @@ async def test_a_path_through_a_renamed_directory_is_estale_even_at_the_same_num
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.open(ino, os.O_RDONLY, CTX)
     assert e.value.errno == errno.ESTALE and svc.cache.used == 0
+
+
+async def test_a_change_counts_once_however_often_its_node_is_renumbered(tmp_path: Path) -> None:
+    # The kernel's retry after ESTALE looks the name up, drops the reply's new node when it
+    # revalidates a dentry (a FORGET), and looks it up again: a third number, one change.
+    src = make_tree(tmp_path / "src", {"d/f": OLD})
+    ops, svc = make_fs(src, ram=8 << 20, revalidate=0.0)
+    ino = await lookup_path(ops, "d/f")
+    (src / "d" / "f").write_bytes(NEW)
+    with pytest.raises(pyfuse3.FUSEError):
+        await ops.open(ino, os.O_RDONLY, CTX)  # the open finds it
+    second = await lookup_path(ops, "d/f")
+    await ops.forget([(second, 1)])
+    third = await lookup_path(ops, "d/f")
+    assert len({ino, second, third}) == 3 and svc.namespace.changed_files == 1
+    (src / "d" / "f").write_bytes(OLD)
+    await readdir_names(ops, await lookup_path(ops, "d"))  # a listing finds the next one
+    assert svc.namespace.changed_files == 2

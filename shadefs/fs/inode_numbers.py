@@ -127,7 +127,10 @@ class InodeNumbers:
         if (old.dirino, old.name(oi)) == (snap.dirino, snap.name(i)):
             if not stat.S_ISREG(nst.st_mode):
                 return ino  # a symlink's new version under its name: no pages to tell apart
-            self.changed_files += 1  # a new version under its name (not: a reused number)
+            # A new version under its name (a reused number elsewhere is not counted), once
+            # per node: an open's check may have seen it (-inf), and a node forgotten while
+            # the kernel retried is renumbered again.
+            self.changed_files += int(old.checked[oi] != -np.inf)
         # Its number is another file's now, or another version's (fs/revalidate.py): the old
         # node's file is gone or changed, so its next open checks the path (ESTALE, and the
         # kernel's retry finds what is there). The old node stays the old version.

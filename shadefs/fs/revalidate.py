@@ -48,6 +48,7 @@ class Revalidation:
     source: Source
     revalidate: float
     revalidations: int
+    changed_files: int
     table: InodeTable
     listings: dict[int, int]
     _snaps: list[Snapshot | None]
@@ -96,13 +97,14 @@ class Revalidation:
             if not changed:
                 snap.checked[i] = now
             elif stat.S_ISREG(st.st_mode):
+                self.changed_files += int(snap.checked[i] != -math.inf)  # (once per node)
                 snap.checked[i] = -math.inf  # every open of it checks, and is retired
                 self._changed(ino)
             else:
                 snap.checked[i] = now
                 snap.set_stat(i, st)
                 self._changed(ino)
-        if changed:  # (counted in `changed_files` once the new version is handed out)
+        if changed:
             log.info("%r changed on the source", path)
         return changed
 
