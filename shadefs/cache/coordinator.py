@@ -184,24 +184,29 @@ class Cache(Hits):
         """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
-        if ssd is not None and st.st_size <= ssd.max_entry:
-            data = await ssd.lookup(key, path, sig, job)
-            if data is not None:
-                self.metrics.hits += 1
-                reader.hits += 1
-                reader.bytes += st.st_size
-                self._admit(key, data, sig, hash(path))
-                return Entry(data, sig)
-            ssd.missed(key, job)
+        room = self.handles.held + st.st_size <= self.handle_limit
+        staged = prefetcher.take(key, sig) if prefetcher is not None and room else None
+        data = None
+        if ssd is not None and (staged is not None or st.st_size <= ssd.max_entry):
+            if staged is None:
+                data = await ssd.lookup(key, path, sig, job)
+                room = self.handles.held + st.st_size <= self.handle_limit  # (after the await)
+            elif ssd.took(key, job):
+                data = staged  # staged from the SSD tier: its hit
+            if data is None:
+                ssd.missed(key, job)
+        if data is not None:  # the SSD tier's, staged from it or read now
+            self.metrics.hits += 1
+            reader.hits += 1
+            reader.bytes += st.st_size
+            self._admit(key, data, sig, hash(path))
+            return Entry(data, sig)
         self.metrics.misses += 1
         reader.misses += 1
         reader.bytes += st.st_size
-        room = self.handles.held + st.st_size <= self.handle_limit
-        if prefetcher is not None and room:
-            data = prefetcher.take(key, sig)
-            if data is not None:
-                self._adopt(key, path, data, sig)
-                return Entry(data, sig)
+        if staged is not None:
+            self._adopt(key, path, staged, sig)
+            return Entry(staged, sig)
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
@@ -270,6 +275,13 @@ class Cache(Hits):
         single flight with readers, admits nothing. Per item None when a reader is fetching
         the file (and will cache it) or it grew past the bound; and the source's seconds
         per file."""
+        if self.ssd is not None:  # the SSD tier's entries are read from there
+            return await self.ssd.read_ahead(items, self._fly_many)
+        return await self._fly_many(items)
+
+    async def _fly_many(
+        self, items: Sequence[tuple[int, bytes, int]]
+    ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
         return await fly_many(self._flights, items, self.source.read_files, self.fetchlog.note_many)
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
@@ -399,6 +411,10 @@ class Cache(Hits):
         if key in self.entries:
             return 1
         return 2 if self.ssd is not None and key in self.ssd.index else 0
+
+    def ram_keys(self) -> list[int]:
+        """The keys in RAM: what a plan need not stage (an SSD entry is staged from there)."""
+        return list(self.entries)
 
     def cached_keys(self) -> list[int]:
         """Every key in any tier (blocks' too): a list copied at C speed for a worker thread

@@ -224,6 +224,27 @@ def read_entry(
     return Verdict.GOOD, data, h.data_len
 
 
+def read_version(path: str, relpath: bytes) -> tuple[bytes, Signature] | None:
+    """The data of relpath's entry file at `path` and the version it was written for, or
+    None where it is absent, unreadable or not good (left for a lookup to find and discard).
+    The prefetcher stages these for opens that compare the version (a worker thread's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        whole = memoryview(pread_all(fd, os.fstat(fd).st_size + 1, 0))
+        h = decode_header(bytes(whole[:HSIZE]))
+        if isinstance(h, Verdict):
+            return None
+        _, data, _ = read_entry(fd, relpath, h.sig, whole)
+        return None if data is None else (data, h.sig)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def read_header(fd: int) -> tuple[Header | Verdict, bytes, int]:
     """(header or why not, relpath, file length) of the entry open as fd, without its data.
 

@@ -29,20 +29,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
 
 from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
+from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size, read_version
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)
 
 _RESTORE_CHUNK = 2048
+
+# The prefetcher's fetch (prefetch/prefetcher.py's FetchAhead): (key, path, size) items in one
+# call; per item (bytes, version), its error, or None; and the source's seconds per file.
+_Item = tuple[int, bytes, int]
+_Got = tuple[bytes, Signature] | BaseException | None
+_FetchMany = Callable[[Sequence[_Item]], Awaitable[tuple[list[_Got], float]]]
 
 
 @dataclass(slots=True)
@@ -175,6 +181,39 @@ class SsdTier:
 
     def missed(self, key: int, job: int = 0) -> None:
         self.policy.accessed(key, False, job)
+
+    def took(self, key: int, job: int = 0) -> bool:
+        """A staged file was opened: True (a hit of this tier) if it is one of its entries."""
+        if key not in self.index:
+            return False
+        self.hits += 1
+        self.policy.accessed(key, True, job)
+        return True
+
+    async def read_ahead(
+        self, items: Sequence[_Item], fetch: _FetchMany
+    ) -> tuple[list[_Got], float]:
+        """The prefetcher's `fetch` of (key, path, size) `items`, those in the index read from
+        here instead, in one worker thread: after a drop of the page cache, one thread hop
+        per SSD hit costs the event loop more than the hit itself. Each comes with the
+        version it was written for, which the open that takes it compares (`took` counts
+        it then); None where an entry is gone or bad (its lookup will find out)."""
+        local: dict[int, _Got] = {}
+        reads: list[tuple[int, str, bytes]] = []
+        for key, _, _ in items:
+            where = None if self.lost else self.index.get(key)
+            queued = self._pending.get(key)
+            if queued is not None:
+                local[key] = (queued.data, queued.sig)
+            elif where is not None:
+                reads.append((key, str(self.store.key_path(where[0])), where[0]))
+        if reads:
+            got = await trio.to_thread.run_sync(_read_versions, reads, limiter=self._limiter)
+            local.update(got)
+        rest = [item for item in items if item[0] not in local]
+        fetched, seconds = await fetch(rest) if rest else ([], 0.0)
+        by_key = dict(zip([key for key, _, _ in rest], fetched, strict=True))
+        return [local[key] if key in local else by_key[key] for key, _, _ in items], seconds
 
     def contains(self, key: int) -> bool:
         return key in self.index
@@ -368,6 +407,10 @@ class SsdTier:
             policy=self.policy.describe(),
             restore=restore,
         )
+
+
+def _read_versions(reads: list[tuple[int, str, bytes]]) -> list[tuple[int, _Got]]:
+    return [(key, read_version(path, relpath)) for key, path, relpath in reads]
 
 
 def _next_chunk(scan: Iterator[tuple[bytes, int, Signature]]) -> list[tuple[bytes, int, Signature]]:

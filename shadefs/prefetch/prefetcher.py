@@ -47,7 +47,9 @@ abandoned (no progress for `abandon_after` s); its staged leftovers are then dro
 (wasted). `start` runs the scheduler in the daemon's nursery: it stops at unmount.
 
 The cache hands it two callables, `fetch_ahead` (a fetch that shares single flight with
-readers and admits nothing) and `tier_of` (is a key cached): it knows nothing else of it.
+readers and admits nothing; an SSD tier's entries are read from there) and `tier_of` (RAM:
+no staging; SSD: staged, in batches of up to 16 files whatever the source's pace): it knows
+nothing else of it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ _BATCH_BYTES = 4 << 20
 _Got = tuple[bytes, Signature] | BaseException | None
 FetchAhead = Callable[[Sequence[_Item]], Awaitable[tuple[list[_Got], float]]]
 Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
+_RAM, _SSD = 1, 2  # tiers: a file in RAM needs no staging, one on the SSD is read from there
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Prefetcher:
         for plan in self.plans.values():
             if plan.observe(key, now):
                 self._wake.set()
-        if key in self.staged and self._tier_of(key):
+        if key in self.staged and self._tier_of(key) == _RAM:
             self._unstage(key)  # kept staged for this read, and cached since: a hit
         self.holds.opened(key)  # one more of a group's opens: the last one releases it
 
@@ -291,7 +294,7 @@ class Prefetcher:
                     # fetch now would bring the same bytes over the link a second time.
                     continue
                 key = int(plan.keys[pos])
-                if key in self.staged or key in self._inflight or self._tier_of(key):
+                if key in self.staged or key in self._inflight or self._tier_of(key) == _RAM:
                     continue
                 return plan, pos
         return None
@@ -320,13 +323,14 @@ class Prefetcher:
         """The next fetch call's items, counted in flight, and where each was taken from."""
         batch: list[_Item] = []
         origins: list[_Origin] = []
-        n, nbytes = self.batch_size(), 0
-        while len(batch) < n and nbytes < _BATCH_BYTES:
+        n, nbytes, remote = self.batch_size(), 0, 0
+        while remote < n and len(batch) < _BATCH_FILES and nbytes < _BATCH_BYTES:
             item = self._next_item()
             if item is None:
                 break
             plan, pos = item
             key, size = int(plan.keys[pos]), int(plan.sizes[pos])
+            remote += self._tier_of(key) != _SSD  # an SSD entry is read in no time
             self._inflight[key] = size
             self._inflight_bytes += size
             nbytes += size
@@ -385,7 +389,7 @@ class Prefetcher:
         for (key, data, sig), n in zip(landed, readers, strict=True):
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
-            if not n or key in self.staged or self._tier_of(key):
+            if not n or key in self.staged or self._tier_of(key) == _RAM:
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue
             self.staged[key] = (data, sig)

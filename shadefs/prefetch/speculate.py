@@ -3,9 +3,11 @@
 A plain shuffled DataLoader tells the daemon nothing of its order, but within an epoch each
 file not yet read will be read exactly once (the readers' tracker, readers/tracker.py,
 knows per job its universe, its epoch and what it read of it). So
-the unread, uncached files of a job's epoch are a prefetch target that the epoch never
-wastes. The speculator turns them into a *speculative plan* for the prefetcher
-(prefetch/prefetcher.py): the unread files in a random order. The prefetcher stages them in its
+the unread files of a job's epoch not in RAM are a prefetch target that the epoch never
+wastes (an SSD tier's entries among them are staged from the SSD in batches: after a drop of
+the page cache, a hit read from disk alone costs a thread hop on the event loop). The
+speculator turns them into a *speculative plan* for the prefetcher (prefetch/prefetcher.py):
+the unread files in a random order. The prefetcher stages them in its
 staging buffer, within its window and at its adaptive concurrency, exactly as for a known
 order; a reader that opens a staged file takes it from there, and one that opens a file
 being fetched joins the flight.
@@ -42,7 +44,7 @@ infers nothing itself: epochs, universes and unread files are the tracker's.
 A plan over a large universe (ImageNet: 1.28 M files) takes a sort and a set test over every
 unread file, 0.1-0.3 s: while `run` serves, it is built in a worker thread (`_build_plan`)
 over a snapshot (the unread ids, the tracker's columns, whose entries for those ids do not
-change, and a list of the cached keys), at most one per job at a time. Its result is
+change, and a list of the keys in RAM), at most one per job at a time. Its result is
 installed only if still current: the same job in the row, no epoch begun since, no known
 order started, and the reads taken in meanwhile are consumed from it first.
 """
@@ -82,7 +84,7 @@ class Cache(Protocol):
     def ram_max(self) -> int: ...
     @property
     def handle_limit(self) -> int: ...
-    def cached_keys(self) -> list[int]: ...
+    def ram_keys(self) -> list[int]: ...
 
 
 log = logging.getLogger(__name__)
@@ -224,7 +226,7 @@ class _Snapshot(NamedTuple):
     listings: list[Listing]  # the tracker's, only ever appended to
     unread: np.ndarray  # the unread ids
     limit: int  # the largest file worth staging
-    cached: list[int]  # every cached key (blocks' negative ones too)
+    cached: list[int]  # the keys in RAM
     seed: int
     job: JobEpoch  # whose reads consume the plan (SpecPlan's)
     # Files the kernel may hold pages of are left out (a wrong guess read from the loop's
@@ -233,7 +235,7 @@ class _Snapshot(NamedTuple):
 
 
 def _build_plan(snap: _Snapshot) -> SpecPlan | None:
-    """A plan over the unread ids of `snap` that are at most `limit` bytes and not cached,
+    """A plan over the unread ids of `snap` that are at most `limit` bytes and not in RAM,
     in a random order; None when none is left. It reads only `snap`, so it may run in a
     worker thread."""
     keys, sizes, where, index = snap.keys, snap.sizes, snap.where, snap.unread
@@ -373,7 +375,7 @@ class Speculator:
         unread = t.unread(row)
         snap = _Snapshot(
             f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
-            cache.cached_keys(), int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]),
+            cache.ram_keys(), int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]),
             held,
         )  # fmt: skip
         if self._nursery is None or t.size[row] <= self.offload_above:
