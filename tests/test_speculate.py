@@ -325,6 +325,39 @@ def test_files_the_kernel_holds_are_not_staged_while_it_serves_the_reopens() -> 
     assert set(spec.plans[0].keys.tolist()) == set(range(1, 11)) | set(range(13, 21))
 
 
+def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_path) -> None:
+    # An SSD hit is never deferred, so `held` never learns that a drop of the page cache
+    # took the kernel's pages (e2e (g)): an SSD entry is planned all the same, since its open
+    # reads the entry whether or not the kernel has it.
+    from shadefs.cache.ssd_format import Signature
+    from shadefs.cache.ssd_store import SsdStore
+
+    source = _CountingSource(delay=0.005)
+    cache = Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=8000,
+        prefetch=PrefetchSettings(20 * SIZE),
+        readers=Readers(listing_of=_listings(FakeListing(b"d", list(range(1, 21))))),
+        ssd=SsdStore(tmp_path / "ssd", 1 << 30, min_free=0),
+        key_of_ino=int,
+    )
+    assert cache.ssd is not None
+    for key in range(1, 6):  # on the SSD, from an earlier epoch
+        assert cache.ssd.store.put(b"p%d" % key, bytes(SIZE), Signature.of(source.stat(key)))
+        cache.ssd._index(key, b"p%d" % key, SIZE)
+    spec = Speculator(cache, seed=0)
+    kernel = cache.handles.kernel
+    for key in range(1, 11):  # opened before: the kernel may hold their pages
+        kernel.opened(key)
+    for key in (11, 12):
+        trio.run(_read, cache, source, key)
+    spec.sync()
+    spec.tend(time.monotonic())
+    assert kernel.trusted
+    assert set(spec.plans[0].keys.tolist()) == set(range(1, 6)) | set(range(13, 21))
+
+
 def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
     from shadefs.cache.kernel_pages import KernelPages
 

@@ -126,7 +126,7 @@ def test_a_file_in_ram_is_not_staged_and_one_on_the_ssd_only_is(tmp_path: Path) 
     async def run() -> None:
         await cache.open(1, b"p1", _stat(1))  # now in RAM as well
         assert cache.tier_of(1) == 1 and cache.tier_of(2) == 2
-        assert cache.ram_keys() == [1]
+        assert cache.cached_keys(ssd=False) == [1] and cache.cached_keys(ram=False) == [1, 2]
         pf.add_plan(_plan([1, 2]))
         batch, _ = pf._next_batch()
         assert [key for key, _, _ in batch] == [2]

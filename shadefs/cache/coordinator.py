@@ -412,15 +412,12 @@ class Cache(Hits):
             return 1
         return 2 if self.ssd is not None and key in self.ssd.index else 0
 
-    def ram_keys(self) -> list[int]:
-        """The keys in RAM: what a plan need not stage (an SSD entry is staged from there)."""
-        return list(self.entries)
-
-    def cached_keys(self) -> list[int]:
-        """Every key in any tier (blocks' too): a list copied at C speed for a worker thread
-        (`resident_among`), where a set union would stall the loop at 1.28 M files."""
-        ssd = self.ssd
-        return list(self.entries) + (list(ssd.index) if ssd is not None else [])
+    def cached_keys(self, ram: bool = True, ssd: bool = True) -> list[int]:
+        """The keys in RAM and on the SSD (blocks' too): a list copied at C speed for a worker
+        thread (`resident_among`), where a set union would stall the loop at 1.28 M files."""
+        tier = self.ssd
+        on_ssd = list(tier.index) if ssd and tier is not None else []
+        return list(self.entries) + on_ssd if ram else on_ssd
 
     async def evict(self, key: int, *, stale: bool = False) -> bool:
         """Drop `key` from every tier; False if it was not cached. `stale`: its file has a

@@ -84,7 +84,7 @@ class Cache(Protocol):
     def ram_max(self) -> int: ...
     @property
     def handle_limit(self) -> int: ...
-    def ram_keys(self) -> list[int]: ...
+    def cached_keys(self, ram: bool = True, ssd: bool = True) -> list[int]: ...
 
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ class _Snapshot(NamedTuple):
     unread: np.ndarray  # the unread ids
     limit: int  # the largest file worth staging
     cached: list[int]  # the keys in RAM
+    ssd: list[int]  # the keys on the SSD (with `kernel` only)
     seed: int
     job: JobEpoch  # whose reads consume the plan (SpecPlan's)
     # Files the kernel may hold pages of are left out (a wrong guess read from the loop's
@@ -245,7 +246,9 @@ def _build_plan(snap: _Snapshot) -> SpecPlan | None:
         keep = ~resident_among(ukeys, snap.cached)
         index, ukeys = index[keep], ukeys[keep]
     if len(index) and snap.kernel is not None:
-        keep = ~snap.kernel.may_hold(ukeys)
+        # An SSD entry is staged all the same: an open reads it whether or not the kernel
+        # holds its pages (an SSD hit is never deferred), so staging it reads no more.
+        keep = ~snap.kernel.may_hold(ukeys) | resident_among(ukeys, snap.ssd)
         index, ukeys = index[keep], ukeys[keep]
     if not len(index):
         return None
@@ -375,8 +378,8 @@ class Speculator:
         unread = t.unread(row)
         snap = _Snapshot(
             f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
-            cache.ram_keys(), int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]),
-            held,
+            cache.cached_keys(ssd=False), cache.cached_keys(ram=False) if held else [],
+            int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]), held,
         )  # fmt: skip
         if self._nursery is None or t.size[row] <= self.offload_above:
             self._install(row, _build_plan(snap))
