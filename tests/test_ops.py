@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -84,6 +85,9 @@ def test_stat_watch_runs_from_the_cli(tmp_path: Path, mounter) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default even when the suite runs with SIGINT ignored (started in the
+        # background by a shell): Python then installs no KeyboardInterrupt handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         out, err = proc.communicate(timeout=1.5)
