@@ -132,3 +132,22 @@ def test_a_file_in_ram_is_not_staged_and_one_on_the_ssd_only_is(tmp_path: Path) 
         assert [key for key, _, _ in batch] == [2]
 
     trio.run(run)
+
+
+def test_staging_reads_the_cache_directory_the_daemon_opened(tmp_path: Path) -> None:
+    # The tier works in its directory through the descriptor opened at mount: a directory
+    # re-created at that path (with an entry planted in it) is never read.
+    cache, _ = _on_ssd(tmp_path, [1])
+    pf, ssd = cache.prefetcher, cache.ssd
+    assert pf is not None and ssd is not None
+    root = ssd.store.root
+    root.rename(tmp_path / "moved")
+    with SsdStore(root, 1 << 30, min_free=0) as planted:
+        assert planted.put(b"p1", b"x" * SIZE, Signature.of(_stat(1)))
+
+        async def run() -> None:
+            pf.add_plan(_plan([1]))
+            await pf._fetch(*pf._next_batch())
+            assert pf.staged[1][0] == bytes([1]) * SIZE
+
+        trio.run(run)

@@ -224,12 +224,12 @@ def read_entry(
     return Verdict.GOOD, data, h.data_len
 
 
-def read_version(path: str, relpath: bytes) -> tuple[bytes, Signature] | None:
-    """The data of relpath's entry file at `path` and the version it was written for, or
-    None where it is absent, unreadable or not good (left for a lookup to find and discard).
-    The prefetcher stages these for opens that compare the version (a worker thread's)."""
+def read_version(dir_fd: int, path: str, relpath: bytes) -> tuple[bytes, Signature] | None:
+    """The data of relpath's entry file at `path` (below `dir_fd`) and the version it was
+    written for, or None where it is absent, unreadable or not good (left for a lookup to
+    find and discard). The prefetcher stages these for opens that compare the version."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         return None
     try:

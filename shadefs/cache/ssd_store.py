@@ -55,6 +55,7 @@ from shadefs.cache.ssd_format import (
     entry_name,
     entry_size,
     read_entry,
+    read_version,
     write_all,
 )
 from shadefs.cache.ssd_ledger import Ledger
@@ -193,7 +194,6 @@ class SsdStore:
         return self.root / self._key(relpath)[2]
 
     # The ledger's counters, read by the tier and the stats.
-
     @property
     def used_bytes(self) -> int:
         """Data bytes of the counted entries."""
@@ -259,6 +259,11 @@ class SsdStore:
             return data
         finally:
             os.close(fd)
+
+    def get_any(self, relpath: bytes) -> tuple[bytes, Signature] | None:
+        """relpath's entry and the version it was written for, or None (absent or not good,
+        left for `get` to discard): staged for opens that compare the version (a thread's)."""
+        return read_version(self._dir, self._key(relpath)[2], relpath)
 
     def _open_cached(self, path: str) -> int:
         """The entry's descriptor if its directory entries are cached: an open on the event
@@ -400,10 +405,8 @@ class SsdStore:
     # -- restore (worker thread) -------------------------------------------------------------
 
     def scan(self) -> Iterator[tuple[bytes, int, Signature]]:
-        """Restore after a restart or crash: yield (relpath, size, signature) of valid entries.
-
-        Reads headers only (`Ledger.scan`); puts and removes may run concurrently.
-        """
+        """(relpath, size, signature) of the valid entries, from their headers (`Ledger.scan`;
+        puts and removes may run concurrently): the restore after a restart or crash."""
         return self.ledger.scan()
 
     # -- space -------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import trio
 
 from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size, read_version
+from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.stats import RestoreStats, SsdStats
 
@@ -199,21 +199,24 @@ class SsdTier:
         version it was written for, which the open that takes it compares (`took` counts
         it then); None where an entry is gone or bad (its lookup will find out)."""
         local: dict[int, _Got] = {}
-        reads: list[tuple[int, str, bytes]] = []
+        reads: list[tuple[int, bytes]] = []
         for key, _, _ in items:
             where = None if self.lost else self.index.get(key)
             queued = self._pending.get(key)
             if queued is not None:
                 local[key] = (queued.data, queued.sig)
             elif where is not None:
-                reads.append((key, str(self.store.key_path(where[0])), where[0]))
+                reads.append((key, where[0]))
         if reads:
-            got = await trio.to_thread.run_sync(_read_versions, reads, limiter=self._limiter)
+            got = await trio.to_thread.run_sync(self._read_versions, reads, limiter=self._limiter)
             local.update(got)
         rest = [item for item in items if item[0] not in local]
         fetched, seconds = await fetch(rest) if rest else ([], 0.0)
         by_key = dict(zip([key for key, _, _ in rest], fetched, strict=True))
         return [local[key] if key in local else by_key[key] for key, _, _ in items], seconds
+
+    def _read_versions(self, reads: list[tuple[int, bytes]]) -> list[tuple[int, _Got]]:
+        return [(key, self.store.get_any(relpath)) for key, relpath in reads]
 
     def contains(self, key: int) -> bool:
         return key in self.index
@@ -407,10 +410,6 @@ class SsdTier:
             policy=self.policy.describe(),
             restore=restore,
         )
-
-
-def _read_versions(reads: list[tuple[int, str, bytes]]) -> list[tuple[int, _Got]]:
-    return [(key, read_version(path, relpath)) for key, path, relpath in reads]
 
 
 def _next_chunk(scan: Iterator[tuple[bytes, int, Signature]]) -> list[tuple[bytes, int, Signature]]:
