@@ -5,7 +5,7 @@
 What is measured: the wall time of each training epoch (from ``iter(loader)`` to the last
 step) of an unchanged torchvision job -- ``ImageFolder`` + ``DataLoader`` (4 workers, PIL
 JPEG decode, RandomResizedCrop(64) + flip + ToTensor + Normalize) -- reading the same
-JPEG dataset in seven ways:
+JPEG dataset in eight ways:
 
   (a) the emulated remote directly: a ``shadefs.demo.slowfs`` mount of the dataset;
   (b) shadefs over that remote, RandomSampler, ``--policy epoch --no-prefetch
@@ -14,7 +14,11 @@ JPEG dataset in seven ways:
   (d) (c) with the prefetcher (``--prefetch [--prefetch-window SIZE]``);
   (e) the local copy of the data (page cache dropped first): the limit for any cache;
   (f) (b) with speculative prefetch, the default (unchanged code: its unread files staged);
-  (g) unchanged code, RAM 20% and an SSD tier large enough for the data (``--ssd``).
+  (g) unchanged code, RAM 20% and an SSD tier large enough for the data (``--ssd``);
+  (h) the floor: ``tools/bench/floorfs.py``, a minimal pyfuse3 + trio filesystem serving the
+      local copy from memory, read like the others (page cache dropped before each epoch).
+      Its CPU per sample is what any Python FUSE daemon pays for this access pattern, and
+      each shadefs configuration's daemon CPU per sample is printed against it.
 
 Before each epoch of every configuration but (e), the kernel's page cache is dropped (as root;
 not with ``--keep-page-cache``): the modelled dataset does not fit the machine's memory, so
@@ -105,6 +109,8 @@ from e2e_workload import (
 from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
+FLOORFS = Path(__file__).with_name("floorfs.py")  # the pyfuse3 floor, as bench_cpu's
+
 TARGET_VS_LOCAL = 1.3  # (d) epoch time <= 1.3 x (e)
 TARGET_VS_REMOTE = 3.0  # (d) at least 3 x faster than (a)
 TARGET_BLOCKED = 0.10  # blocked time with prefetching <= 10% of the epoch
@@ -126,6 +132,7 @@ class Config:
     remote: bool  # read through slowfs
     shadefs: list[str] | None  # shadefs mount options, None = no shadefs
     sampler: str  # "uniform" or "shade"
+    floor: bool = False  # read through floorfs (the pyfuse3 floor) over the local copy
 
 
 @dataclass
@@ -140,6 +147,7 @@ class Epoch:
     refetch_bytes: int | None = None  # of those, files already fetched this epoch
     cpu_slowfs: float | None = None  # CPU seconds of the slowfs daemon in this epoch
     cpu_shadefs: float | None = None  # and of the shadefs daemon
+    cpu_floor: float | None = None  # and of the floor filesystem, in (h)
     busy: float = 0.0  # share of the machine's CPU in use (all processes, all cores)
     churn: dict[str, int] = field(default_factory=dict)  # RAM tier: admitted, evictions, refused
     new_inodes: int | None = None  # inode numbers shadefs learned in this epoch
@@ -185,11 +193,18 @@ def _numbers(d: Any) -> dict[str, float]:
 class Probe:
     """Deltas over one epoch: shadefs's stats.json, slowfs's xattr, the daemons' CPU."""
 
-    def __init__(self, shade: Path | None, remote: Path | None, remote_pid: int | None) -> None:
+    def __init__(
+        self,
+        shade: Path | None,
+        remote: Path | None,
+        remote_pid: int | None,
+        floor_pid: int | None = None,
+    ) -> None:
         self.shade = shade
         self.remote = remote
         self.remote_pid = remote_pid
         self.shade_pid: int | None = None
+        self.floor_pid = floor_pid
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"machine": machine_cpu()}
@@ -200,6 +215,8 @@ class Probe:
         if self.remote is not None and self.remote_pid is not None:
             snap["remote"] = slowfs_stats(self.remote)
             snap["cpu_slowfs"] = process_cpu(self.remote_pid)
+        if self.floor_pid is not None:
+            snap["cpu_floor"] = process_cpu(self.floor_pid)
         return snap
 
     def fill(self, epoch: Epoch, before: dict[str, Any], after: dict[str, Any]) -> None:
@@ -229,7 +246,7 @@ class Probe:
         r0, r1 = before.get("remote"), after.get("remote")
         if r0 is not None and r1 is not None:
             epoch.remote_bytes = int(r1["bytes"]) - int(r0["bytes"])
-        for name in ("cpu_slowfs", "cpu_shadefs"):
+        for name in ("cpu_slowfs", "cpu_shadefs", "cpu_floor"):
             c0, c1 = before.get(name), after.get(name)
             if c0 is not None and c1 is not None:
                 setattr(epoch, name, c1 - c0)
@@ -262,7 +279,7 @@ def train_epochs(root: Path, cfg: Config, args: argparse.Namespace, probe: Probe
         for e in range(args.epochs):
             if shade is not None:
                 shade.set_epoch(e)
-            if cfg.remote and args.drop_caches:
+            if (cfg.remote or cfg.floor) and args.drop_caches:
                 # The modelled dataset is far larger than the machine's memory, so the
                 # kernel's page cache of the mount holds little of it an epoch later; this
                 # one (~0.2 GB) it would hold whole, and a miss shadefs answers before its
@@ -311,7 +328,7 @@ def _epoch_line(e: Epoch) -> str:
         parts.append(" ".join(f"{k} {v}" for k, v in e.churn.items()))
     if e.remote_bytes is not None:
         parts.append(f"remote {e.remote_bytes / 1e6:.0f} MB")
-    for name, cpu in (("slowfs", e.cpu_slowfs), ("shadefs", e.cpu_shadefs)):
+    for name, cpu in (("slowfs", e.cpu_slowfs), ("shadefs", e.cpu_shadefs), ("floor", e.cpu_floor)):
         if cpu is not None:
             parts.append(f"{name} CPU {cpu:.1f} s")
     parts.append(f"machine busy {e.busy:.0%}")
@@ -334,8 +351,12 @@ def run_config(
 ) -> Result:
     result = Result(cfg)
     with contextlib.ExitStack() as stack:
-        root, remote, shade, remote_pid = data, None, None, None
-        if cfg.remote:
+        root, remote, shade, remote_pid, floor_pid = data, None, None, None, None
+        if cfg.floor:
+            root, floor_pid = stack.enter_context(
+                slowfs_mounted(data, work / "floor", [], script=FLOORFS)
+            )
+        elif cfg.remote:
             remote, remote_pid = stack.enter_context(
                 slowfs_mounted(data, work / "remote", slowfs_opts, args.slowfs)
             )
@@ -351,7 +372,8 @@ def run_config(
             options = [*cfg.shadefs, "--log", log]
             shade = stack.enter_context(mounted(root, work / "shade", *options))
             root = shade
-        result.epochs = train_epochs(root, cfg, args, Probe(shade, remote, remote_pid))
+        probe = Probe(shade, remote, remote_pid, floor_pid)
+        result.epochs = train_epochs(root, cfg, args, probe)
     return result
 
 
@@ -429,7 +451,7 @@ def print_results(results: list[Result], epochs: int) -> None:
         slow = _fmt(t / te if te and t else None, "5.2f")
         print(f"{name:<40} {times}  {t:7.2f} s  {speed:>5}  {slow:>5}")
     print("\nper epoch, epochs 1/2/../E (pf served: opens served by prefetched files)")
-    cols = ("hit ratio", "blocked s", "pf served", "remote MB", "CPU slowfs+shadefs s", "busy %")
+    cols = ("hit ratio", "blocked s", "pf served", "remote MB", "CPU of daemons s", "busy %")
     w = 5 * epochs + 3
     print("    " + " ".join(f"{c:<{w}}" for c in cols))
     for r in results:
@@ -443,7 +465,7 @@ def print_results(results: list[Result], epochs: int) -> None:
             return "/".join(_fmt(get(x), spec, "n/a") for x in r.epochs)
 
         def cpu(x: Epoch) -> float | None:
-            parts = [c for c in (x.cpu_slowfs, x.cpu_shadefs) if c is not None]
+            parts = [c for c in (x.cpu_slowfs, x.cpu_shadefs, x.cpu_floor) if c is not None]
             return sum(parts) if parts else None
 
         cells = (
@@ -455,7 +477,7 @@ def print_results(results: list[Result], epochs: int) -> None:
                 ".0f",
                 r.config.remote,
             ),
-            row(cpu, ".1f", r.config.remote or shade),
+            row(cpu, ".1f", r.config.remote or shade or r.config.floor),
             row(lambda x: 100 * x.busy, ".0f"),
         )
         print(f"({r.config.key}) " + " ".join(f"{c:<{w}}" for c in cells))
@@ -471,6 +493,32 @@ def print_results(results: list[Result], epochs: int) -> None:
         if windows:
             text = ", ".join(f"{v / 1e6:.1f} MB" for v in sorted(windows))
             print(f"    ({r.config.key}) prefetch window {text} (stats.json)")
+
+
+def print_daemon_cpu(results: list[Result]) -> None:
+    """shadefs's CPU per sample in each configuration against the floor filesystem's (h),
+    over epochs 2..E: what a Python FUSE daemon cannot avoid for this access pattern."""
+
+    def per_sample(r: Result, get: Any) -> float | None:
+        tail = r.epochs[1:] or r.epochs
+        got = [get(x) for x in tail]
+        if not tail or any(v is None for v in got):
+            return None
+        return sum(got) / sum(x.samples for x in tail)
+
+    floor = next((r for r in results if r.config.floor and r.epochs), None)
+    base = per_sample(floor, lambda x: x.cpu_floor) if floor is not None else None
+    rows = [(r, per_sample(r, lambda x: x.cpu_shadefs)) for r in results if r.epochs]
+    rows = [(r, v) for r, v in rows if v is not None]
+    if base is None and not rows:
+        return
+    print("\ndaemon CPU per sample, epochs 2..E (all its threads; the floor: (h))")
+    if base is not None:
+        print(f"    (h) floor    {base * 1e6:6.0f} us")
+    for r, v in rows:
+        assert v is not None
+        ratio = f"{v / base:5.2f} x floor" if base else ""
+        print(f"    ({r.config.key}) shadefs  {v * 1e6:6.0f} us  {ratio}")
 
 
 def _local_time(results: list[Result], i: int, cpu_floor: float) -> tuple[float, str]:
@@ -740,12 +788,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--model", choices=("tiny", "none"), default="tiny")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--configs", default="abcdefg", help="which of a-g to run (default all)")
+    g.add_argument("--configs", default="abcdefgh", help="which of a-h to run (default all)")
     g.add_argument(
         "--keep-page-cache",
         dest="drop_caches",
         action="store_false",
-        help="do not drop the kernel's caches before each epoch of (a)-(d), (f), (g)",
+        help="do not drop the kernel's caches before each epoch of (a)-(d), (f)-(h)",
     )
     args = ap.parse_args(argv)
     args.drop_caches = args.drop_caches and can_drop_caches()
@@ -759,8 +807,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.log_dir is not None:
         args.log_dir = args.log_dir.resolve()  # the daemons change directory to /
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    if set(args.configs) - set("abcdefg"):
-        ap.error("--configs takes letters from 'abcdefg'")
+    if set(args.configs) - set("abcdefgh"):
+        ap.error("--configs takes letters from 'abcdefgh'")
     return args
 
 
@@ -814,6 +862,7 @@ def configs(
             [*base, "--policy", "epoch", "--ssd", f"{ssd_dir}:{ssd_size}"],
             "uniform",
         ),
+        Config("h", "the pyfuse3 floor (local copy)", False, None, "uniform", floor=True),
     ]
     skip_d = None
     if not has_prefetch:
@@ -922,11 +971,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; mounts were unmounted", file=sys.stderr)
         return 130
     finally:
-        for path in (work / "shade", work / "remote", work):
+        for path in (work / "shade", work / "remote", work / "floor", work):
             with contextlib.suppress(OSError):
                 path.rmdir()  # empty mount points only; a stuck mount stays visible
 
     print_results(results, args.epochs)
+    print_daemon_cpu(results)
     table = print_limits(results, args, cpu_floor, nbytes)
     summary(results, cpu_floor, args.workers, cores)
     more_targets(results, table, cores)
