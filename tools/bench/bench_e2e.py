@@ -49,7 +49,8 @@ refetch_bytes``) and the emulator's CPU in cores. A summary checks the targets: 
 3.5 x faster than (a); (g) epochs 2+ <= 1.1 x (e); efficiency >= 0.85 for (d) and >= 0.8
 for (f); remote bytes <= 1.02 x distinct bytes in every configuration and epoch. Where (d)
 or (f) misses its speed target it also prints the bound that the daemons' measured CPU sets:
-(e)'s work plus slowfs's and shadefs's CPU per epoch, spread over every core.
+(e)'s work plus slowfs's and shadefs's CPU per epoch, spread over every core; where (d) or
+(g) misses its target against (e), the floor filesystem's own epoch (h) against (e) too.
 
 Live progress (per-epoch lines with CPU and cache churn) goes to stderr; stdout gets the
 header, the tables and the summary. ``--slowfs PATH`` swaps in another emulator script.
@@ -647,6 +648,17 @@ def print_cpu_bound(r: Result, a: Result | None, e: Result | None, cores: int) -
     )
 
 
+def print_floor_bound(results: list[Result], e: Result | None) -> None:
+    """The floor filesystem's epoch (h) against (e): no Python FUSE daemon reads faster."""
+    h = next((r for r in results if r.config.floor and r.epochs), None)
+    if h is None or not h.steady or e is None or not e.steady:
+        return
+    print(
+        f"  {'':<34}       bound: a minimal pyfuse3 filesystem over the local copy (h) "
+        f"takes {h.steady:.2f} s, {h.steady / e.steady:.2f} x (e)"
+    )
+
+
 def summary(results: list[Result], cpu_floor: float, workers: int, cores: int) -> None:
     by = {r.config.key: r for r in results if r.epochs}
     a, d, e = by.get("a"), by.get("d"), by.get("e")
@@ -669,6 +681,8 @@ def summary(results: list[Result], cpu_floor: float, workers: int, cores: int) -
             f"{td:.2f} s vs {TARGET_VS_LOCAL} x {e.steady:.2f} s = "
             f"{TARGET_VS_LOCAL * e.steady:.2f} s (ratio {td / e.steady:.2f})"
         )
+        if not ok:
+            print_floor_bound(results, e)
     else:
         print(f"  {'(d) <= 1.3 x (e)':<34} SKIP ((e) not run)")
     if a is not None and a.steady:
@@ -725,6 +739,7 @@ def more_targets(results: list[Result], table: dict[str, list[Limits]], cores: i
               f"{g.steady:.2f} s vs {e.steady:.2f} s (ratio {ratio:.2f})")  # fmt: skip
         if ratio > TARGET_G_VS_LOCAL:
             print_cpu_bound(g, a, e, cores)
+            print_floor_bound(results, e)
     else:
         check(f"(g) <= {TARGET_G_VS_LOCAL} x (e), epochs 2+", None, "(e) or (g) not run")
     for key, target in (("d", TARGET_EFF_D), ("f", TARGET_EFF_F)):
