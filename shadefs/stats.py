@@ -219,8 +219,8 @@ class PrefetchStats:
 
     plans: int
     plan_positions: dict[str, tuple[int, int]]  # plan name -> (cursor, length)
-    fetched: int
-    fetched_bytes: int
+    fetched: int  # files staged, from the source or (an SSD tier's entries) the SSD
+    fetched_bytes: int  # their bytes (the source's alone: `source_fetch_bytes`)
     served: int
     wasted: int
     errors: int
