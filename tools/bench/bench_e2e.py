@@ -795,7 +795,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = ap.add_argument_group("shadefs")
     g.add_argument("--ram-fraction", type=float, default=0.2, help="of the data's bytes")
-    g.add_argument("--prefetch-window", metavar="SIZE", help="for (d); default: shadefs's")
+    g.add_argument(
+        "--prefetch-window", metavar="SIZE", help="for (d), (f) and (g); default: shadefs's"
+    )
     g.add_argument("--log-dir", type=Path, help="keep the shadefs logs here (default: none)")
     g = ap.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=3)
@@ -874,7 +876,7 @@ def configs(
             "g",
             "unchanged, RAM 20% + SSD for all",
             True,
-            [*base, "--policy", "epoch", "--ssd", f"{ssd_dir}:{ssd_size}"],
+            [*base, "--policy", "epoch", "--ssd", f"{ssd_dir}:{ssd_size}", *prefetch],
             "uniform",
         ),
         Config("h", "the pyfuse3 floor (local copy)", False, None, "uniform", floor=True),
