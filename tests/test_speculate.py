@@ -116,7 +116,7 @@ def test_demand_counts_follow_every_read_in_constant_time() -> None:
 # --- speculation over a cache ---------------------------------------------------------------
 
 
-def _cache(source: _CountingSource, listing_of: ListingOf, window: int) -> Cache:
+def _cache(source: _CountingSource, listing_of: ListingOf, window: int, **kw) -> Cache:
     # Room for 8 files (one file may take an eighth of the budget).
     return Cache(
         source,  # type: ignore[arg-type]
@@ -124,12 +124,14 @@ def _cache(source: _CountingSource, listing_of: ListingOf, window: int) -> Cache
         capacity=8000,
         prefetch=PrefetchSettings(window),
         readers=Readers(listing_of=listing_of),
+        **kw,
     )
 
 
-def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE):
+def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE, **kw):
+    """`kw`: more of the cache's arguments (an SSD tier's)."""
     source = _CountingSource(delay=0.005)
-    cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window)
+    cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window, **kw)
     spec = Speculator(cache, idle=idle, seed=0)
     return source, cache, spec
 
@@ -305,16 +307,22 @@ def test_a_reopen_straight_after_a_read_is_one_read() -> None:
     trio.run(run)
 
 
-def test_files_the_kernel_holds_are_not_staged_while_it_serves_the_reopens() -> None:
-    source, cache, spec = _setup(n=20)
-    kernel = cache.handles.kernel
-    for key in range(1, 11):  # opened before: the kernel may hold their pages
-        kernel.opened(key)
+def _plan_with_ten_held(source, cache, spec) -> set[int]:
+    """Of files 1..20: 1..10 opened before (the kernel may hold their pages), 11 and 12
+    read now; the keys of the plan made then."""
+    for key in range(1, 11):
+        cache.handles.kernel.opened(key)
     for key in (11, 12):
         trio.run(_read, cache, source, key)
     spec.sync()
     spec.tend(time.monotonic())
-    planned = set(spec.plans[0].keys.tolist())
+    return set(spec.plans[0].keys.tolist())
+
+
+def test_files_the_kernel_holds_are_not_staged_while_it_serves_the_reopens() -> None:
+    source, cache, spec = _setup(n=20)
+    kernel = cache.handles.kernel
+    planned = _plan_with_ten_held(source, cache, spec)
     assert planned == set(range(13, 21))  # neither read nor held by the kernel
     # Deferred reopens that the daemon had to serve: the kernel's pages are mostly gone,
     # and the plan is rebuilt with the files it was thought to hold.
@@ -332,30 +340,15 @@ def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_p
     from shadefs.cache.ssd_format import Signature
     from shadefs.cache.ssd_store import SsdStore
 
-    source = _CountingSource(delay=0.005)
-    cache = Cache(
-        source,  # type: ignore[arg-type]
-        Metrics(),
-        capacity=8000,
-        prefetch=PrefetchSettings(20 * SIZE),
-        readers=Readers(listing_of=_listings(FakeListing(b"d", list(range(1, 21))))),
-        ssd=SsdStore(tmp_path / "ssd", 1 << 30, min_free=0),
-        key_of_ino=int,
-    )
+    ssd = SsdStore(tmp_path / "ssd", 1 << 30, min_free=0)
+    source, cache, spec = _setup(n=20, ssd=ssd, key_of_ino=int)
     assert cache.ssd is not None
     for key in range(1, 6):  # on the SSD, from an earlier epoch
-        assert cache.ssd.store.put(b"p%d" % key, bytes(SIZE), Signature.of(source.stat(key)))
+        assert ssd.put(b"p%d" % key, bytes(SIZE), Signature.of(source.stat(key)))
         cache.ssd._index(key, b"p%d" % key, SIZE)
-    spec = Speculator(cache, seed=0)
-    kernel = cache.handles.kernel
-    for key in range(1, 11):  # opened before: the kernel may hold their pages
-        kernel.opened(key)
-    for key in (11, 12):
-        trio.run(_read, cache, source, key)
-    spec.sync()
-    spec.tend(time.monotonic())
-    assert kernel.trusted
-    assert set(spec.plans[0].keys.tolist()) == set(range(1, 6)) | set(range(13, 21))
+    planned = _plan_with_ten_held(source, cache, spec)
+    assert cache.handles.kernel.trusted
+    assert planned == set(range(1, 6)) | set(range(13, 21))
 
 
 def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
