@@ -149,6 +149,7 @@ class Epoch:
     cpu_slowfs: float | None = None  # CPU seconds of the slowfs daemon in this epoch
     cpu_shadefs: float | None = None  # and of the shadefs daemon
     cpu_floor: float | None = None  # and of the floor filesystem, in (h)
+    cpu_shadefs_loop: float | None = None  # shadefs's event-loop thread's share of cpu_shadefs
     busy: float = 0.0  # share of the machine's CPU in use (all processes, all cores)
     churn: dict[str, int] = field(default_factory=dict)  # RAM tier: admitted, evictions, refused
     new_inodes: int | None = None  # inode numbers shadefs learned in this epoch
@@ -213,6 +214,7 @@ class Probe:
             snap["shade"] = stats(self.shade)
             self.shade_pid = int(snap["shade"]["pid"])
             snap["cpu_shadefs"] = process_cpu(self.shade_pid)
+            snap["cpu_shadefs_loop"] = process_cpu(self.shade_pid, self.shade_pid)
         if self.remote is not None and self.remote_pid is not None:
             snap["remote"] = slowfs_stats(self.remote)
             snap["cpu_slowfs"] = process_cpu(self.remote_pid)
@@ -247,7 +249,7 @@ class Probe:
         r0, r1 = before.get("remote"), after.get("remote")
         if r0 is not None and r1 is not None:
             epoch.remote_bytes = int(r1["bytes"]) - int(r0["bytes"])
-        for name in ("cpu_slowfs", "cpu_shadefs", "cpu_floor"):
+        for name in ("cpu_slowfs", "cpu_shadefs", "cpu_floor", "cpu_shadefs_loop"):
             c0, c1 = before.get(name), after.get(name)
             if c0 is not None and c1 is not None:
                 setattr(epoch, name, c1 - c0)
@@ -513,13 +515,18 @@ def print_daemon_cpu(results: list[Result]) -> None:
     rows = [(r, v) for r, v in rows if v is not None]
     if base is None and not rows:
         return
-    print("\ndaemon CPU per sample, epochs 2..E (all its threads; the floor: (h))")
+    print("\ndaemon CPU per sample, epochs 2..E (all its threads, and its event loop's; the")
+    print("floor: (h), one thread)")
     if base is not None:
         print(f"    (h) floor    {base * 1e6:6.0f} us")
     for r, v in rows:
         assert v is not None
         ratio = f"{v / base:5.2f} x floor" if base else ""
-        print(f"    ({r.config.key}) shadefs  {v * 1e6:6.0f} us  {ratio}")
+        loop = per_sample(r, lambda x: x.cpu_shadefs_loop)
+        on_loop = "" if loop is None else f"; event loop {loop * 1e6:4.0f} us"
+        if loop is not None and base:
+            on_loop += f", {loop / base:4.2f} x floor"
+        print(f"    ({r.config.key}) shadefs  {v * 1e6:6.0f} us  {ratio}{on_loop}")
 
 
 def _local_time(results: list[Result], i: int, cpu_floor: float) -> tuple[float, str]:
