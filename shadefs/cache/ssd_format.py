@@ -233,11 +233,11 @@ def read_version(dir_fd: int, path: str, relpath: bytes) -> tuple[bytes, Signatu
     except OSError:
         return None
     try:
-        whole = memoryview(pread_all(fd, os.fstat(fd).st_size + 1, 0))
-        h = decode_header(bytes(whole[:HSIZE]))
+        h = decode_header(os.pread(fd, HSIZE, 0))
         if isinstance(h, Verdict):
             return None
-        _, data, _ = read_entry(fd, relpath, h.sig, whole)
+        # (The data read on its own: one copy of it, not a whole file's read then a slice.)
+        _, data, _ = read_entry(fd, relpath, h.sig)
         return None if data is None else (data, h.sig)
     except OSError:
         return None
