@@ -38,14 +38,21 @@ def read_all_and_compare(src: Path, mnt: Path) -> None:
             assert (mnt / p.relative_to(src)).read_bytes() == p.read_bytes(), p
 
 
-def wait_for_writes(m, timeout: float = 30) -> dict:
+def wait_until(m, done, what: str, timeout: float = 30) -> dict:
+    """The mount's stats once `done(stats)` holds (the daemon is another process)."""
     deadline = time.monotonic() + timeout
     while True:
         s = m.stats()
-        if s["tiers"]["ssd"]["queued_writes"] == 0:
+        if done(s):
             return s
-        assert time.monotonic() < deadline, "SSD writes did not finish"
+        assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def wait_for_writes(m, timeout: float = 30) -> dict:
+    return wait_until(
+        m, lambda s: s["tiers"]["ssd"]["queued_writes"] == 0, "SSD writes did not finish", timeout
+    )
 
 
 def test_sigkill_then_remount_reuses_the_ssd_cache(tmp_path: Path, mounter) -> None:
@@ -323,9 +330,12 @@ def test_a_second_epoch_takes_its_ssd_entries_staged_from_the_ssd(tmp_path: Path
         assert (m.mnt / rel).read_bytes() == (src / rel).read_bytes()
     before = wait_for_writes(m)
     assert before["tiers"]["ssd"]["entries"] == len(rels)
-    for rel in rng.sample(rels, len(rels)):
+    order = rng.sample(rels, len(rels))
+    # The first read begins epoch 2; speculation stages the unread files (in its next tick).
+    assert (m.mnt / order[0]).read_bytes() == (src / order[0]).read_bytes()
+    wait_until(m, lambda s: s["prefetch"]["staged"] > 0, "no SSD entry was staged")
+    for rel in order[1:]:
         assert (m.mnt / rel).read_bytes() == (src / rel).read_bytes()
-        time.sleep(0.005)  # a reader that decodes between opens: staging gets ahead
     after = m.stats()
     assert after["hits"] - before["hits"] == len(rels)
     assert after["misses"] == before["misses"]

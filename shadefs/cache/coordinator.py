@@ -38,7 +38,7 @@ from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
-from shadefs.prefetch.prefetcher import Prefetcher, PrefetchSettings
+from shadefs.prefetch.prefetcher import Got, Item, Prefetcher, PrefetchSettings
 from shadefs.readers.jobs import Job
 from shadefs.readers.part import Readers
 from shadefs.source import Source
@@ -268,9 +268,7 @@ class Cache(Hits):
         assert flight.sig is not None
         return data, flight.sig
 
-    async def fetch_ahead(
-        self, items: Sequence[tuple[int, bytes, int]]
-    ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
+    async def fetch_ahead(self, items: Sequence[Item]) -> tuple[list[Got], float]:
         """The prefetcher's fetch of (key, path, size) `items` in one source call: shares
         single flight with readers, admits nothing. Per item None when a reader is fetching
         the file (and will cache it) or it grew past the bound; and the source's seconds
@@ -279,9 +277,7 @@ class Cache(Hits):
             return await self.ssd.read_ahead(items, self._fly_many)
         return await self._fly_many(items)
 
-    async def _fly_many(
-        self, items: Sequence[tuple[int, bytes, int]]
-    ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
+    async def _fly_many(self, items: Sequence[Item]) -> tuple[list[Got], float]:
         return await fly_many(self._flights, items, self.source.read_files, self.fetchlog.note_many)
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -38,17 +38,12 @@ from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
+from shadefs.prefetch.prefetcher import FetchAhead, Got, Item
 from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)
 
 _RESTORE_CHUNK = 2048
-
-# The prefetcher's fetch (prefetch/prefetcher.py's FetchAhead): (key, path, size) items in one
-# call; per item (bytes, version), its error, or None; and the source's seconds per file.
-_Item = tuple[int, bytes, int]
-_Got = tuple[bytes, Signature] | BaseException | None
-_FetchMany = Callable[[Sequence[_Item]], Awaitable[tuple[list[_Got], float]]]
 
 
 @dataclass(slots=True)
@@ -190,15 +185,13 @@ class SsdTier:
         self.policy.accessed(key, True, job)
         return True
 
-    async def read_ahead(
-        self, items: Sequence[_Item], fetch: _FetchMany
-    ) -> tuple[list[_Got], float]:
+    async def read_ahead(self, items: Sequence[Item], fetch: FetchAhead) -> tuple[list[Got], float]:
         """The prefetcher's `fetch` of (key, path, size) `items`, those in the index read from
         here instead, in one worker thread: after a drop of the page cache, one thread hop
         per SSD hit costs the event loop more than the hit itself. Each comes with the
         version it was written for, which the open that takes it compares (`took` counts
         it then); None where an entry is gone or bad (its lookup will find out)."""
-        local: dict[int, _Got] = {}
+        local: dict[int, Got] = {}
         reads: list[tuple[int, bytes]] = []
         for key, _, _ in items:
             where = None if self.lost else self.index.get(key)
@@ -215,7 +208,7 @@ class SsdTier:
         by_key = dict(zip([key for key, _, _ in rest], fetched, strict=True))
         return [local[key] if key in local else by_key[key] for key, _, _ in items], seconds
 
-    def _read_versions(self, reads: list[tuple[int, bytes]]) -> list[tuple[int, _Got]]:
+    def _read_versions(self, reads: list[tuple[int, bytes]]) -> list[tuple[int, Got]]:
         return [(key, self.store.get_any(relpath)) for key, relpath in reads]
 
     def contains(self, key: int) -> bool:

@@ -70,11 +70,11 @@ from shadefs.prefetch.holds import Holds
 from shadefs.prefetch.plans import Plan
 from shadefs.stats import PrefetchStats
 
-__all__ = ["FetchAhead", "Plan", "PrefetchSettings", "Prefetcher"]
+__all__ = ["FetchAhead", "Got", "Item", "Plan", "PrefetchSettings", "Prefetcher"]
 
 log = logging.getLogger(__name__)
 
-_Item = tuple[int, bytes, int]  # a fetch's (key, path, size)
+Item = tuple[int, bytes, int]  # a fetch's (key, path, size)
 _Origin = tuple[Plan, int]  # the plan and position a fetched item was taken from
 
 _EWMA = 0.2
@@ -86,8 +86,8 @@ _BATCH_BYTES = 4 << 20
 # The cache's fetch for the prefetcher, of (key, path, size) items in one source call: per
 # item (bytes, signature), its error, or None when a reader is already fetching the file
 # (the reader will cache it); and the source's seconds per file.
-_Got = tuple[bytes, Signature] | BaseException | None
-FetchAhead = Callable[[Sequence[_Item]], Awaitable[tuple[list[_Got], float]]]
+Got = tuple[bytes, Signature] | BaseException | None
+FetchAhead = Callable[[Sequence[Item]], Awaitable[tuple[list[Got], float]]]
 Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
 _RAM, _SSD = 1, 2  # tiers: a file in RAM needs no staging, one on the SSD is read from there
 
@@ -319,9 +319,9 @@ class Prefetcher:
                     self._calls += 1
                     nursery.start_soon(self._fetch, batch, origins)
 
-    def _next_batch(self) -> tuple[list[_Item], list[_Origin]]:
+    def _next_batch(self) -> tuple[list[Item], list[_Origin]]:
         """The next fetch call's items, counted in flight, and where each was taken from."""
-        batch: list[_Item] = []
+        batch: list[Item] = []
         origins: list[_Origin] = []
         n, nbytes, remote = self.batch_size(), 0, 0
         while remote < n and len(batch) < _BATCH_FILES and nbytes < _BATCH_BYTES:
@@ -338,7 +338,7 @@ class Prefetcher:
             origins.append(item)
         return batch, origins
 
-    async def _fetch(self, batch: Sequence[_Item], origins: Sequence[_Origin]) -> None:
+    async def _fetch(self, batch: Sequence[Item], origins: Sequence[_Origin]) -> None:
         """One fetch call: `batch`'s files read in one worker thread, then staged."""
         t0 = time.monotonic()
         try:

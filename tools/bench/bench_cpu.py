@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchlib import (
+    FLOORFS,
     mounted,
     process_cpu,
     read_files,
@@ -55,7 +56,6 @@ from benchlib import (
     worker_pool,
 )
 
-FLOORFS = Path(__file__).with_name("floorfs.py")
 PERF = bool(os.environ.get("PERF"))
 SPY = os.environ.get("SPY_ARGS", "--gil").split()
 PROFILES: list[tuple[Path, Pass]] = []  # (py-spy output, its pass) with --profile

@@ -87,6 +87,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from benchlib import (
+    FLOORFS,
     can_drop_caches,
     drop_caches,
     drop_page_cache,
@@ -109,8 +110,6 @@ from e2e_workload import (
 )
 from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
-
-FLOORFS = Path(__file__).with_name("floorfs.py")  # the pyfuse3 floor, as bench_cpu's
 
 TARGET_VS_LOCAL = 1.3  # (d) epoch time <= 1.3 x (e)
 TARGET_VS_REMOTE = 3.0  # (d) at least 3 x faster than (a)

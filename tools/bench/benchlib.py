@@ -28,6 +28,8 @@ from typing import Any
 SHADEFS = [sys.executable, "-m", "shadefs"]
 #: The slow-remote emulator (shadefs/demo/slowfs.py) as the benchmarks start it.
 SLOWFS = [sys.executable, "-m", "shadefs.demo.slowfs"]
+# The floor of a pyfuse3 + trio daemon (bench_cpu, bench_e2e (h)): a tree served from memory.
+FLOORFS = Path(__file__).with_name("floorfs.py")
 MOUNT_DEADLINE = 60.0
 
 
