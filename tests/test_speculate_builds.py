@@ -131,3 +131,56 @@ def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
     assert plan.consumed(1) and plan.next_use(2) == math.inf
     assert plan.unread(keys).tolist() == [True, False, True]
     assert not plan.consumed(0) and plan.next_use(1) == 0.0
+
+
+def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_it() -> None:
+    from shadefs.cache.ssd_format import Signature
+    from shadefs.prefetch.speculate import JobEpoch
+    from tests.test_prefetch import _prefetcher
+
+    t = Tracker()
+    keys = [4, 9, 1, 7, 3, 10, 2, 8, 6, 5]  # a speculative plan's random order
+    ids = np.array([t.id(k) for k in keys])
+    t.join(0)
+    plan = SpecPlan("s", np.array(keys, np.uint64), [b"p%d" % k for k in keys],
+                    np.full(10, SIZE), ids, JobEpoch(t, 0, 0))  # fmt: skip
+    plan.consume(np.array([4], np.uint64), 0.0)  # read and taken in: the cursor moves
+    t.read(10, 0)  # read, not taken in yet
+    pf = _prefetcher(100 * SIZE)
+    sig = Signature(size=SIZE, mtime_ns=1, ctime_ns=1, ino=1)
+    for key in (7, 10, 5):
+        pf.staged[key] = (b"x" * SIZE, sig)
+        pf.staged_bytes += SIZE
+    pf._inflight[1] = SIZE
+    pf.add_plan(plan)
+    # Staged or in flight first, each part in the plan's order; the frontier past them.
+    assert plan.keys.tolist() == [1, 7, 10, 5, 4, 9, 3, 2, 8, 6] and plan.frontier == 4
+    assert list(plan.paths) == [b"p%d" % k for k in plan.keys.tolist()]
+    assert set(pf.staged) == {7, 5}  # (10, read meanwhile, unstaged as before)
+    # What was read follows its entry: 4 consumed, 10 read by id; the cursor is the first
+    # position not read.
+    assert [plan.consumed(i) for i in range(10)] == [k in (4, 10) for k in plan.keys.tolist()]
+    assert plan.cursor == 0 and plan.next_use(9) == 5.0 and plan.next_use(4) == math.inf
+    assert plan.unread(np.array([4, 10, 6], np.uint64)).tolist() == [False, False, True]
+    plan.consume(np.array([1, 7], np.uint64), 0.0)
+    assert plan.cursor == 2
+    # The next fetch is of the unstaged, unread rest, in order.
+    fetched: list[int] = []
+    while batch := pf._next_batch()[0]:
+        fetched += [k for k, _, _ in batch]
+    assert fetched == [9, 3, 2, 8, 6]
+
+
+def test_a_known_order_keeps_its_order_when_staged_files_are_in_it() -> None:
+    from shadefs.cache.ssd_format import Signature
+    from tests.test_prefetch import _plan, _prefetcher
+
+    pf = _prefetcher(100 * SIZE)
+    pf.staged[3] = (b"x", Signature(size=1, mtime_ns=1, ctime_ns=1, ino=1))
+    plan = _plan("sampler", [1, 2, 3, 4])
+    pf.add_plan(plan)
+    assert plan.keys.tolist() == [1, 2, 3, 4] and plan.frontier == 0
+    known = SpecPlan("known", np.array([1, 2, 3], np.uint64), [b"1", b"2", b"3"], np.ones(3))
+    known.speculative = False  # a sampler's order built as a SpecPlan
+    pf.add_plan(known)
+    assert known.keys.tolist() == [1, 2, 3] and known.frontier == 0

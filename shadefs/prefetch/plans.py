@@ -110,6 +110,13 @@ class Plan:
         """Whether the read at position `pos` has been seen (the prefetcher skips it)."""
         return bool(self._consumed[pos])
 
+    def lead(self, keys: np.ndarray) -> int:
+        """Put the entries of `keys` (uint64: files staged or in flight already) first, where
+        the plan's order allows, and return how many lead: the prefetcher starts past them.
+        A known order is its reader's, so nothing moves (0); a speculative one may
+        (speculate.py)."""
+        return 0
+
     def next_use(self, key: int) -> float:
         """Reads until `key` is needed again by this plan's reader (inf if never)."""
         occ = self._occurrences(key)

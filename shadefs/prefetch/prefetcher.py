@@ -55,6 +55,7 @@ nothing else of it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -151,6 +152,12 @@ class Prefetcher:
         self.plans[plan.name] = plan
         if len(plan):
             plan.span = int(self.window // max(1.0, float(plan.sizes.mean())))
+        if self.staged or self._inflight:
+            # What is staged or on its way needs no fetch: where the plan's order allows,
+            # it goes first and the frontier starts past it (a speculative plan's remake).
+            ahead = itertools.chain(self.staged, self._inflight)
+            keys = np.fromiter((k for k in ahead if k >= 0), dtype=np.uint64)
+            plan.frontier = max(plan.frontier, plan.lead(keys))
         self._drop_unplanned()
         self._wake.set()
         log.info("prefetch plan %s: %d reads", plan.name, len(plan))
