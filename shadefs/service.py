@@ -39,7 +39,8 @@ from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
-from shadefs.prefetch.prefetcher import Plan, Prefetcher, PrefetchSettings
+from shadefs.prefetch.fetching import PrefetchSettings
+from shadefs.prefetch.prefetcher import Plan, Prefetcher
 from shadefs.prefetch.speculate import Speculator
 from shadefs.readers.jobs import JobTable
 from shadefs.readers.part import Readers

@@ -10,7 +10,8 @@ import trio.testing
 
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.ssd_format import Signature
-from shadefs.prefetch.prefetcher import Prefetcher, PrefetchSettings
+from shadefs.prefetch.fetching import PrefetchSettings
+from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
 from shadefs.readers.pending import PendingReads

@@ -128,8 +128,8 @@ def test_the_reader_with_least_buffered_ahead_goes_first() -> None:
     pf.add_plan(a)
     pf.add_plan(b)
     a.frontier = 20  # a already has 20 entries fetched ahead of its reader, b none
-    plan, pos = pf._next_item()  # type: ignore[misc]
-    assert plan is b and pos == 0
+    pick = pf._next_item()
+    assert pick is not None and pick[:2] == (b, 0)
 
 
 def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
@@ -360,6 +360,7 @@ class _CountingSource:
     def __init__(self, delay: float = 0.01) -> None:
         self.delay = delay
         self.fetches: list[bytes] = []
+        self.calls = 0  # read_files calls: the prefetcher's batches
 
     @staticmethod
     def stat(key: int) -> SimpleNamespace:
@@ -371,12 +372,13 @@ class _CountingSource:
         return bytes(1000), self.stat(int(path[1:]))
 
     async def read_files(self, items):  # the prefetcher's batches, one file after another
+        self.calls += 1
         return [await self.read_file(path, size) for path, size in items], 1e-5
 
 
 def _cache(source: _CountingSource, window: int = 10_000):
     from shadefs.cache.coordinator import Cache
-    from shadefs.prefetch.prefetcher import PrefetchSettings
+    from shadefs.prefetch.fetching import PrefetchSettings
     from shadefs.stats import Metrics
 
     # Room for 8 files (one file may take an eighth of the budget); tests `drop()` them to
@@ -405,6 +407,31 @@ def test_a_reader_and_a_prefetch_of_the_same_file_share_one_fetch() -> None:
         assert 2 not in pf.staged  # its reader had it: nothing left to stage
 
     trio.run(run)
+
+
+def test_a_full_window_refills_in_batches_not_a_fetch_per_read() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.001)
+        cache = _cache(source, window=16_000)  # 16 files staged or in flight at most
+        pf = cache.prefetcher
+        assert pf is not None
+        keys = list(range(1, 201))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("a", keys, size=1000))
+            await trio.testing.wait_all_tasks_blocked()
+            for key in keys:  # a reader slower than the source: the window stays full
+                data = await cache.open(key, b"p%d" % key, source.stat(key))
+                assert data == bytes(1000)
+                cache.unpin(data)  # (its release)
+                await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        assert pf.served >= 190 and sorted(source.fetches) == sorted(b"p%d" % k for k in keys)
+        # Each take frees one file's room; the round that refills it waits for an eighth
+        # of the window (two files here), so a fetch call brings two files or more.
+        assert source.calls <= 110, source.calls
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_the_prefetcher_skips_what_workers_read_ahead_of_the_cursor() -> None:

@@ -10,7 +10,8 @@ import numpy as np
 import trio
 
 from shadefs.cache.coordinator import Cache
-from shadefs.prefetch.prefetcher import Plan, PrefetchSettings
+from shadefs.prefetch.fetching import PrefetchSettings
+from shadefs.prefetch.prefetcher import Plan
 from shadefs.prefetch.speculate import Speculator
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import ListingOf, Tracker
@@ -247,7 +248,7 @@ def test_reads_from_a_directory_listed_later_count_as_read() -> None:
 
 
 def test_a_plans_paths_survive_a_refreshed_listing() -> None:
-    from shadefs.prefetch.speculate import SpecPlan
+    from shadefs.prefetch.spec_plans import SpecPlan
 
     a, b = FakeListing(b"a", [5, 6, 7]), FakeListing(b"b", [1, 2])
     by_key = {5: a, 6: a, 7: a, 1: b, 2: b}

@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from shadefs.prefetch import speculate
-from shadefs.prefetch.speculate import PERIOD, SpecPlan, Speculator
+from shadefs.prefetch.spec_plans import SpecPlan
+from shadefs.prefetch.speculate import PERIOD, Speculator
 from shadefs.readers.tracker import Tracker
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings, _read
@@ -135,7 +136,7 @@ def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
 
 def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_it() -> None:
     from shadefs.cache.ssd_format import Signature
-    from shadefs.prefetch.speculate import JobEpoch
+    from shadefs.prefetch.spec_plans import JobEpoch
     from tests.test_prefetch import _prefetcher
 
     t = Tracker()

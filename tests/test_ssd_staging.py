@@ -14,8 +14,8 @@ import trio
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.ssd_format import Signature
 from shadefs.cache.ssd_store import SsdStore
+from shadefs.prefetch.fetching import PrefetchSettings
 from shadefs.prefetch.plans import Plan
-from shadefs.prefetch.prefetcher import PrefetchSettings
 from shadefs.stats import Metrics
 
 SIZE = 1000

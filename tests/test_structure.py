@@ -199,8 +199,10 @@ def test_parts_import_only_downstream() -> None:
 # and asks the cache through the callables and Protocols it is handed: it never imports the
 # coordinator, which owns it.
 PREFETCH_PART = (
+    "shadefs.prefetch.fetching",
     "shadefs.prefetch.plans",
     "shadefs.prefetch.prefetcher",
+    "shadefs.prefetch.spec_plans",
     "shadefs.prefetch.speculate",
 )
 

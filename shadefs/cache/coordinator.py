@@ -38,7 +38,8 @@ from shadefs.cache.policies import Policy, make_policy
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.cache.ssd_store import SsdStore
 from shadefs.cache.ssd_tier import SsdTier
-from shadefs.prefetch.prefetcher import Got, Item, Prefetcher, PrefetchSettings
+from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
+from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import Job
 from shadefs.readers.part import Readers
 from shadefs.source import Source

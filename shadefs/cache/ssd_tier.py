@@ -38,7 +38,7 @@ from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
 from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
 from shadefs.cache.ssd_store import SsdStore
-from shadefs.prefetch.prefetcher import FetchAhead, Got, Item
+from shadefs.prefetch.fetching import FetchAhead, Got, Item
 from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Plan"]
+__all__ = ["RATE_EVERY", "Plan"]
 
 # The read rate is re-estimated every this many reads.
-_RATE_EVERY = 16
+RATE_EVERY = 16
 # How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
 # taken for another job's read of the same file, and leaves the cursor alone).
 _MATCH_AHEAD = 4096
@@ -95,12 +95,12 @@ class Plan:
             cursor += 1
         self.cursor = cursor
         self.reads += 1
-        if self.reads % _RATE_EVERY == 0:
+        if self.reads % RATE_EVERY == 0:
             dt = now - self._rate_since
             if dt > 0:
-                inst = _RATE_EVERY / dt
+                inst = RATE_EVERY / dt
                 self.rate = (
-                    inst if self.reads == _RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
+                    inst if self.reads == RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
                 )
             self._rate_since = now
         self.last_progress = now

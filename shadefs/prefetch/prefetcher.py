@@ -14,42 +14,36 @@ Scheduling (Lobster):
 
 - per-reader balance: the next fetch goes to the plan with the fewest entries buffered ahead
   of its reader, so the reader closest to a stall is served first;
-- adaptive concurrency: by Little's law, the number of fetches in flight needed to keep up is
-  the readers' consumption rate times the source latency. Both are measured (EWMA), and the
-  target is bounded by `max_workers`. So the prefetcher neither starves the readers nor
-  floods the source with more requests than the readers can use;
+- adaptive concurrency: by Little's law, the fetches in flight needed to keep up are the
+  readers' consumption rate times the source latency (both measured, EWMA), at most
+  `max_workers`: the readers never starve, the source is never flooded;
 - batches: one fetch call reads as many files in one worker thread as the source reads in
-  about `_BATCH_SECONDS` (its time per file, measured in the thread): a thread hop costs
-  more CPU than reading a small file from a fast source; a slow one (NFS) gets one file
-  per call, and parallel calls. A round runs when a batch lands, or when a take frees
-  room in a window that had held the last round back, not on every open. A landed file is
-  staged if the plan it was taken for still reads it at that position, or another plan
-  reads it (one numpy pass per plan, run only when there are several).
+  about `_BATCH_SECONDS` (a thread hop costs more CPU than reading a small file from a fast
+  source; a slow one, NFS, gets one file per call, and parallel calls). A round runs when a
+  batch lands, when a take frees room in a window that held the last round back, or when a
+  reader's pace (measured anew every RATE_EVERY reads) allows more calls: never per open.
+  A landed file is staged if the plan it was taken for still reads it at that position, or
+  another plan reads it (one numpy pass per plan, run only when there are several).
 
 A sweep group's plan has several readers (`Plan.readers`: members reading one order at
 their own paces; the cursor follows the fastest). A file staged for it stays staged until
-that many opens of it have been seen, so members behind the fastest find it even when the
-RAM policy did not keep it; the window bounds how far they may drift apart, and such a
-file outlives the plan's end by at most `abandon_after` seconds.
+that many opens of it were seen, so members behind find it even when the RAM policy did not
+keep it; the window bounds their drift, and such a file outlives the plan by at most
+`abandon_after` s. A file the RAM tier evicts or refuses that other jobs still open this
+epoch is staged for them too (`hold`): with several jobs in their own orders, a file cached
+when a speculative plan was made is often evicted before its job reads it.
 
-Every byte fetched once: an entry its reader already opened is never fetched, a reader
-that opens a file being prefetched joins that flight, and a file a known order replays
-stays staged for its next read (within the window's reach of the plan, or anywhere while
-such replays hold at most a quarter of the window). A speculative plan
-(prefetch/speculate.py) is staged like any other, but the policies' `planned` and
-`next_use` ignore it: it is a guess.
-
-A file the RAM tier evicts or refuses that other jobs still open this epoch is staged for
-them (`hold`, held for that many opens, as a group's file): with several jobs in their own
-orders, a file cached when a speculative plan was made is often evicted before its job
-reads it. A plan ends when its reader reaches the end, when it is replaced, or when it is
-abandoned (no progress for `abandon_after` s); its staged leftovers are then dropped
-(wasted). `start` runs the scheduler in the daemon's nursery: it stops at unmount.
-
-The cache hands it two callables, `fetch_ahead` (a fetch that shares single flight with
-readers and admits nothing; an SSD tier's entries are read from there) and `tier_of` (RAM:
-no staging; SSD: staged, in batches of up to 16 files whatever the source's pace): it knows
-nothing else of it.
+Every byte fetched once: an entry its reader already opened is never fetched, a reader that
+opens a file being prefetched joins that flight, and a file a known order replays stays
+staged for its next read (within the window's reach of the plan, or anywhere while such
+replays hold at most a quarter of the window). A speculative plan (prefetch/speculate.py)
+is staged like any other, but the policies' `planned` and `next_use` ignore it (a guess).
+A plan ends when its reader reaches the end, is replaced, or is abandoned (no progress for
+`abandon_after` s); its staged leftovers are dropped (wasted). `start` runs the scheduler
+in the daemon's nursery until unmount. The cache hands it `fetch_ahead` (a fetch that
+shares single flight with readers and admits nothing; an SSD tier's entries are read from
+there) and `tier_of` (RAM: no staging; SSD: staged, up to 16 per batch whatever the
+source's pace), and nothing else of it.
 """
 
 from __future__ import annotations
@@ -59,47 +53,30 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import pyfuse3
 import trio
 
 from shadefs.cache.ssd_format import Signature
+from shadefs.prefetch.fetching import RAM, SSD, FetchAhead, Item, Of, PrefetchSettings
 from shadefs.prefetch.holds import Holds
-from shadefs.prefetch.plans import Plan
+from shadefs.prefetch.plans import RATE_EVERY, Plan
 from shadefs.stats import PrefetchStats
 
-__all__ = ["FetchAhead", "Got", "Item", "Plan", "PrefetchSettings", "Prefetcher"]
+__all__ = ["Plan", "Prefetcher"]
 
 log = logging.getLogger(__name__)
 
-Item = tuple[int, bytes, int]  # a fetch's (key, path, size)
 _Origin = tuple[Plan, int]  # the plan and position a fetched item was taken from
+_Pick = tuple[Plan, int, int, int, int]  # the next file to fetch: plan, position, key, size, tier
 
 _EWMA = 0.2
 # A batch reads about this long in its worker thread (the source's own time per file).
 _BATCH_SECONDS = 0.002
 _BATCH_FILES = 16
 _BATCH_BYTES = 4 << 20
-
-# The cache's fetch for the prefetcher, of (key, path, size) items in one source call: per
-# item (bytes, signature), its error, or None when a reader is already fetching the file
-# (the reader will cache it); and the source's seconds per file.
-Got = tuple[bytes, Signature] | BaseException | None
-FetchAhead = Callable[[Sequence[Item]], Awaitable[tuple[list[Got], float]]]
-Of = Callable[[int], int]  # of a key: its tier (0: not cached), or its reads still to come
-_RAM, _SSD = 1, 2  # tiers: a file in RAM needs no staging, one on the SSD is read from there
-
-
-@dataclass(frozen=True)
-class PrefetchSettings:
-    """How much the prefetcher may stage and fetch at once (the mount's --prefetch-*)."""
-
-    window: int  # bytes staged or in flight
-    max_workers: int = 16
-    abandon_after: float = 60.0  # seconds without progress before a plan is dropped
 
 
 class Prefetcher:
@@ -169,12 +146,17 @@ class Prefetcher:
         return True
 
     def observe(self, key: int) -> None:
-        """Called for every open of a regular file (the readers' progress)."""
+        """Called for every open of a regular file (the readers' progress). A wake per read
+        ran a round per open, each fetching the one file whose room the read freed: only a
+        new pace that allows more calls wakes the scheduler (module doc)."""
         now = time.monotonic()
+        paced = False
         for plan in self.plans.values():
-            if plan.observe(key, now):
-                self._wake.set()
-        if key in self.staged and self._tier_of(key) == _RAM:
+            if plan.observe(key, now) and plan.reads % RATE_EVERY == 0:
+                paced = True
+        if paced and self._calls < self.target_workers():
+            self._wake.set()
+        if key in self.staged and self._tier_of(key) == RAM:
             self._unstage(key)  # kept staged for this read, and cached since: a hit
         self.holds.opened(key)  # one more of a group's opens: the last one releases it
 
@@ -279,15 +261,17 @@ class Prefetcher:
         need = rate * self.latency / self.batch_size()
         return max(1, min(self.max_workers, math.ceil(need) + 1))
 
-    def _next_item(self) -> tuple[Plan, int] | None:
+    def _next_item(self) -> _Pick | None:
         active = [p for p in self.plans.values() if not p.done]
         # Lobster: the reader with the least buffered ahead of it goes first.
         active.sort(key=lambda p: max(p.frontier - p.cursor, 0))
+        staged, inflight, tier_of = self.staged, self._inflight, self._tier_of
         for plan in active:
             plan.frontier = max(plan.frontier, plan.cursor)
-            while plan.frontier < len(plan):
+            keys, sizes, n = plan.keys, plan.sizes, len(plan)
+            while plan.frontier < n:
                 pos = plan.frontier
-                size = int(plan.sizes[pos])
+                size = int(sizes[pos])
                 if self.staged_bytes + self._inflight_bytes + size > self.window:
                     if size > self.window:
                         plan.frontier += 1  # can never fit: the reader fetches it itself
@@ -296,14 +280,16 @@ class Prefetcher:
                     self._held_back = True
                     break  # window full for now: try the next plan
                 plan.frontier += 1
+                key = int(keys[pos])
+                if key in staged or key in inflight:
+                    continue
                 if plan.consumed(pos):
                     # Its reader already opened it (workers read ahead of the cursor): a
                     # fetch now would bring the same bytes over the link a second time.
                     continue
-                key = int(plan.keys[pos])
-                if key in self.staged or key in self._inflight or self._tier_of(key) == _RAM:
-                    continue
-                return plan, pos
+                tier = tier_of(key)
+                if tier != RAM:
+                    return plan, pos, key, size, tier
         return None
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -332,17 +318,16 @@ class Prefetcher:
         origins: list[_Origin] = []
         n, nbytes, remote = self.batch_size(), 0, 0
         while remote < n and len(batch) < _BATCH_FILES and nbytes < _BATCH_BYTES:
-            item = self._next_item()
-            if item is None:
+            pick = self._next_item()
+            if pick is None:
                 break
-            plan, pos = item
-            key, size = int(plan.keys[pos]), int(plan.sizes[pos])
-            remote += self._tier_of(key) != _SSD  # an SSD entry is read in no time
+            plan, pos, key, size, tier = pick
+            remote += tier != SSD  # an SSD entry is read in no time
             self._inflight[key] = size
             self._inflight_bytes += size
             nbytes += size
             batch.append((key, plan.paths[pos], size))
-            origins.append(item)
+            origins.append((plan, pos))
         return batch, origins
 
     async def _fetch(self, batch: Sequence[Item], origins: Sequence[_Origin]) -> None:
@@ -396,7 +381,7 @@ class Prefetcher:
         for (key, data, sig), n in zip(landed, readers, strict=True):
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
-            if not n or key in self.staged or self._tier_of(key) == _RAM:
+            if not n or key in self.staged or self._tier_of(key) == RAM:
                 # Read meanwhile (its reader shared the flight, or its plan ended).
                 continue
             self.staged[key] = (data, sig)
