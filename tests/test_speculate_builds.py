@@ -152,7 +152,7 @@ def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_
     for key in (7, 10, 5):
         pf.staged[key] = (b"x" * SIZE, sig)
         pf.staged_bytes += SIZE
-    pf._inflight[1] = SIZE
+    pf._inflight[1] = pf._inflight[7] = SIZE  # (7 also staged: a hold of a file in flight)
     pf.add_plan(plan)
     # Staged or in flight first, each part in the plan's order; the frontier past them.
     assert plan.keys.tolist() == [1, 7, 10, 5, 4, 9, 3, 2, 8, 6] and plan.frontier == 4

@@ -146,7 +146,7 @@ class SpecPlan(Plan):
         self._consumed = self._consumed[order]
         rest = self._consumed
         self.cursor = int(np.argmin(rest)) if not rest.all() else n
-        return len(at)
+        return int(np.count_nonzero(first))  # (a key both staged and in flight: once)
 
     def consume(self, keys: np.ndarray, now: float) -> int:
         """Mark the entries of `keys` read; returns how many were unread plan entries."""
