@@ -185,3 +185,20 @@ def test_a_known_order_keeps_its_order_when_staged_files_are_in_it() -> None:
     known.speculative = False  # a sampler's order built as a SpecPlan
     pf.add_plan(known)
     assert known.keys.tolist() == [1, 2, 3] and known.frontier == 0
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_resident_among_distinct_keys_matches_the_general_test(dense: bool) -> None:
+    """A plan's keys are distinct, so the test skips deduplicating; the cached list may
+    still hold a key twice (in RAM and on the SSD) and block keys (< 0)."""
+    from shadefs.sampling.builds import resident_among
+
+    rng = np.random.default_rng(int(dense))
+    top = 3000 if dense else 1 << 50  # (numpy tests a dense range by table, else by sort)
+    for _ in range(100):
+        keys = rng.choice(top, size=int(rng.integers(1, 400)), replace=False).astype(np.uint64)
+        cached = rng.integers(0, top, size=int(rng.integers(0, 500))).tolist()
+        cached += [*cached[: len(cached) // 3], *keys[:5].tolist(), -5, -7]
+        want = np.array([k in set(cached) for k in keys.tolist()])
+        assert (resident_among(keys, cached, distinct=True) == want).all()
+        assert (resident_among(keys, cached) == want).all()

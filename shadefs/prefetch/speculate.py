@@ -123,12 +123,12 @@ def _build_plan(snap: _Snapshot) -> SpecPlan | None:
     index = index[sizes[index] <= snap.limit]
     ukeys = keys[index].astype(np.uint64)
     if len(index):
-        keep = ~resident_among(ukeys, snap.cached)
+        keep = ~resident_among(ukeys, snap.cached, distinct=True)  # (distinct ids' keys)
         index, ukeys = index[keep], ukeys[keep]
     if len(index) and snap.kernel is not None:
         # An SSD entry is staged all the same: an open reads it whether or not the kernel
         # holds its pages (an SSD hit is never deferred), so staging it reads no more.
-        keep = ~snap.kernel.may_hold(ukeys) | resident_among(ukeys, snap.ssd)
+        keep = ~snap.kernel.may_hold(ukeys) | resident_among(ukeys, snap.ssd, distinct=True)
         index, ukeys = index[keep], ukeys[keep]
     if not len(index):
         return None
