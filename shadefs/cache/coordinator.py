@@ -153,15 +153,23 @@ class Cache(Hits):
         return None if entry is None else entry.data
 
     async def open_entry(
-        self, key: int, path: bytes, st: StatLike, pid: int = 0, lazy: bool = False
+        self,
+        key: int,
+        path: bytes,
+        st: StatLike,
+        pid: int = 0,
+        lazy: bool = False,
+        sig: Signature | None = None,
     ) -> Entry | Deferred[Entry] | None:
         """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
         None: read it through. `pid`: the reader (the readers part finds its job). A miss
         may meet another version than `st`'s, or only its start if it grew past the bound.
-        `lazy`: a miss that would fetch returns its fetch, for the first read to run."""
+        `lazy`: a miss that would fetch returns its fetch, for the first read to run. `sig`:
+        `st`'s signature, if the caller has it."""
         if self._hits:
             self.take_hits()
-        sig = Signature.of(st)
+        if sig is None:
+            sig = Signature.of(st)
         reader = self._read(key, pid)
         entry = self.entries.get(key)
         if entry is not None:

@@ -259,13 +259,14 @@ class Operations(ReadOnly):
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
         lazy = seen and self.deferrals.kernel.worth_deferring()
+        sig = Signature.of(st)  # the version looked up: what every check below compares to
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
                 blocks = self.blocks
                 if blocks is not None and blocks.takes(inode, st.st_size):
                     return await self._open_blocks(blocks, inode, path, st)
             try:
-                entry = await self.cache.open_entry(inode, path, st, ctx.pid, lazy)
+                entry = await self.cache.open_entry(inode, path, st, ctx.pid, lazy, sig)
                 if entry is None:  # read through: the kernel may keep no pages of it
                     return await self._open_through(inode, path, st)
                 if isinstance(entry, Deferred):
@@ -279,7 +280,7 @@ class Operations(ReadOnly):
                     raise self.ns.stale(inode) from None
                 raise
             if entry is self.cache.entries.get(inode) or (
-                entry.sig == Signature.of(st) and len(entry.data) == st.st_size
+                entry.sig == sig and len(entry.data) == st.st_size
             ):
                 break  # a hit (the cache checked it), or the version looked up, whole
             # The source had another version than the one looked up: the node is retired
@@ -294,7 +295,7 @@ class Operations(ReadOnly):
         self._mem[fh := self._handle(inode)] = entry.data  # unpinned at release
         resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
         if resident is not None and resident.data is entry.data and changes == self.ns.changes:
-            self._verify(inode, resident, st, path, checked)
+            self._verify(inode, resident, sig, path, checked)
         push = not seen or fh - self._push_fh <= _REPUSH
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
@@ -316,12 +317,14 @@ class Operations(ReadOnly):
             if self.blocks is not None:
                 await (self.blocks.retire(inode) if stale else self.blocks.evict(inode))
 
-    def _verify(self, inode: int, entry: Entry, st: StatLike, path: bytes, checked: float) -> None:
-        """Keep for the node's reopens that its resident `entry` is its version (`st`, found
+    def _verify(
+        self, inode: int, entry: Entry, sig: Signature, path: bytes, checked: float
+    ) -> None:
+        """Keep for the node's reopens that its resident `entry` is its version (`sig`, found
         at `path`, checked at `checked`): the hit path in `open` serves it while the record
         lasts (the namespace drops it when the node changes, the cache with the entry)."""
         data = entry.data
-        if entry.sig == Signature.of(st) and entry.where == hash(path) and len(data) == st.st_size:
+        if entry.sig == sig and entry.where == hash(path) and len(data) == sig.size:
             # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
             i = self.cache.readers.tracker.id_of.get(inode, -1)
             self._verified[inode] = (entry, checked, -1 if i is None else i, data)
