@@ -317,6 +317,15 @@ class Source:
         self.bytes_read += len(data)
         return data, st
 
+    def read_now(self, rel: bytes, size: int | None = None) -> tuple[bytes, os.stat_result] | None:
+        """`read_file` answered at once on the calling thread, where the source holds the
+        file in memory (`InlineReads`: a local disk's page cache); None where it would
+        wait (then `read_files`)."""
+        got = self.inline.read(self.paths, rel, size) if self.inline.enabled else None
+        if got is not None:
+            self.bytes_read += len(got[0])
+        return got
+
     async def read_files(
         self, items: Sequence[tuple[bytes, int | None]]
     ) -> tuple[list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError], float]:

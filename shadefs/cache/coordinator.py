@@ -287,7 +287,10 @@ class Cache(Hits):
         return await self._fly_many(items)
 
     async def _fly_many(self, items: Sequence[Item]) -> tuple[list[Got], float]:
-        return await fly_many(self._flights, items, self.source.read_files, self.fetchlog.note_many)
+        src = self.source
+        return await fly_many(
+            self._flights, items, src.read_files, self.fetchlog.note_many, src.read_now
+        )
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""

@@ -9,13 +9,17 @@ at unmount, a bug) gives its waiters EIO, while the original exception propagate
 
 `fly_many` fetches several whole files in one source call (the prefetcher's batches: one
 thread hop for many small files), each as the one flight of its key, so that a reader that
-opens one of them meanwhile joins it, as it would a flight of its own.
+opens one of them meanwhile joins it, as it would a flight of its own. A batch whose every
+file the source answers at once (`ReadNow`: a local source's cached files, read on the loop)
+needs no flight at all: no reader runs between the first read and the caller's use of the
+bytes (the prefetcher stages them before it awaits anything).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
@@ -33,6 +37,11 @@ ReadMany = Callable[
     [Sequence[tuple[bytes, int | None]]],
     Awaitable[tuple[list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError], float]],
 ]
+
+
+# The source's read of one (path, size) at once, on the calling thread, or None when it would
+# have to wait (source.py's Source.read_now).
+ReadNow = Callable[[bytes, int | None], tuple[bytes, os.stat_result] | None]
 
 
 class Flight:
@@ -96,43 +105,63 @@ async def fly_many(
     items: Sequence[tuple[int, bytes, int | None]],
     read_many: ReadMany,
     note: Callable[[list[int], list[int]], object],
+    read_now: ReadNow | None = None,
 ) -> tuple[list[tuple[bytes, Signature] | BaseException | None], float]:
     """Fetch the (key, path, size) `items` in one source call, each as the one flight of
     its key (started by the prefetcher); a key already in flight is left to that flight.
     Every flight has landed or failed on return, and none is registered any more; `note`
     is told the keys and sizes fetched (the fetch log). Per item: (bytes, signature) of the
     whole file, its error, or None (in flight already, or it grew past its size); and the
-    source's seconds per file (`ReadMany`)."""
-    mine: list[tuple[int, bytes, int | None]] = []
-    fl: list[FileFlight] = []
+    source's seconds per file (`ReadMany`). `read_now` is tried first on each file: a batch
+    it answers whole returns with no flight and no await (module doc); otherwise what it
+    read lands with the rest, after the source call for the others."""
+    t0 = time.perf_counter()
+    got: dict[int, tuple[bytes, os.stat_result] | pyfuse3.FUSEError] = {}
+    rest: list[tuple[int, bytes, int | None]] = []
     for key, path, size in items:
-        if key not in flights:
-            flights[key] = flight = FileFlight(ahead=True)
-            mine.append((key, path, size))
-            fl.append(flight)
-    if not mine:
+        if key in flights or key in got:
+            continue
+        one = read_now(path, size) if read_now is not None else None
+        if one is None:
+            rest.append((key, path, size))
+        else:
+            got[key] = one
+    if not got and not rest:
         return [None] * len(items), 0.0
-    try:
-        got, seconds = await read_many([(p, s) for _, p, s in mine])
-    except BaseException as exc:
-        err = exc if isinstance(exc, pyfuse3.FUSEError) else pyfuse3.FUSEError(errno.EIO)
-        for (key, _, _), flight in zip(mine, fl, strict=True):
-            flight.error = err
-            del flights[key]
-            flight.done.set()
-        raise
+    seconds = (time.perf_counter() - t0) / len(items)
+    fl: dict[int, FileFlight] = {}
+    if rest:  # a source call that awaits: every file of the batch is a flight meanwhile
+        fl = {key: FileFlight(ahead=True) for key in [*got, *(k for k, _, _ in rest)]}
+        flights.update(fl)
+        try:
+            many, seconds = await read_many([(p, s) for _, p, s in rest])
+        except BaseException as exc:
+            err = exc if isinstance(exc, pyfuse3.FUSEError) else pyfuse3.FUSEError(errno.EIO)
+            for key, flight in fl.items():
+                flight.error = err
+                del flights[key]
+                flight.done.set()
+            raise
+        got.update(zip([k for k, _, _ in rest], many, strict=True))
     ours: dict[int, tuple[bytes, Signature] | BaseException | None] = {}
     keys, sizes = [], []
-    for (key, _, _), flight, one in zip(mine, fl, got, strict=True):
-        if isinstance(one, pyfuse3.FUSEError):
-            flight.error = ours[key] = one
+    for key, res in got.items():
+        landing = fl.get(key)
+        if isinstance(res, pyfuse3.FUSEError):
+            ours[key] = res
+            if landing is not None:
+                landing.error = res
         else:
-            flight.land(*one)
-            assert flight.sig is not None
-            ours[key] = (one[0], flight.sig) if flight.clean else None
+            data, st = res
+            sig = Signature.of(st)
+            clean = len(data) == st.st_size
+            ours[key] = (data, sig) if clean else None
             keys.append(key)
-            sizes.append(len(one[0]))
-        del flights[key]  # before the event: a waiter that misses again starts afresh
-        flight.done.set()
+            sizes.append(len(data))
+            if landing is not None:
+                landing.data, landing.sig, landing.clean = data, sig, clean
+        if landing is not None:
+            del flights[key]  # before the event: a waiter that misses again starts afresh
+            landing.done.set()
     note(keys, sizes)
     return [ours.get(k) for k, _, _ in items], seconds
