@@ -162,14 +162,12 @@ class Cache(Hits):
         sig: Signature | None = None,
     ) -> Entry | Deferred[Entry] | None:
         """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
-        None: read it through. `pid`: the reader (the readers part finds its job). A miss
-        may meet another version than `st`'s, or only its start if it grew past the bound.
-        `lazy`: a miss that would fetch returns its fetch, for the first read to run. `sig`:
-        `st`'s signature, if the caller has it."""
+        None: read it through. `pid`: the reader (the readers part finds its job); `sig`:
+        `st`'s, if known. A miss may meet another version than `st`'s, or only its start if
+        it grew past the bound. `lazy`: a miss that would fetch returns its fetch instead."""
         if self._hits:
             self.take_hits()
-        if sig is None:
-            sig = Signature.of(st)
+        sig = Signature.of(st) if sig is None else sig
         reader = self._read(key, pid)
         entry = self.entries.get(key)
         if entry is not None:
@@ -287,10 +285,8 @@ class Cache(Hits):
         return await self._fly_many(items)
 
     async def _fly_many(self, items: Sequence[Item]) -> tuple[list[Got], float]:
-        src = self.source
-        return await fly_many(
-            self._flights, items, src.read_files, self.fetchlog.note_many, src.read_now
-        )
+        src, note = self.source, self.fetchlog.note_many
+        return await fly_many(self._flights, items, src.read_files, note, src.read_now)
 
     def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
         """A file that a reader missed: the tiers' policies decide whether it stays."""
