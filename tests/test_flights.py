@@ -152,3 +152,19 @@ def test_what_was_read_at_once_is_a_flight_while_the_rest_is_read() -> None:
         assert [o[0] for o in out] == [b"aa", b"bb", b"cc"]
 
     trio.run(run)
+
+
+def test_a_key_twice_in_a_batch_is_read_once() -> None:
+    asked: list = []
+
+    async def read_many(items):
+        asked.append([p for p, _ in items])
+        return [(b"aa", _st(2))], 1e-5
+
+    async def run() -> list:
+        flights: dict[int, FileFlight] = {}
+        items = [(1, b"a", 2), (1, b"a", 2)]
+        return (await fly_many(flights, items, read_many, lambda k, s: None, lambda p, s: None))[0]
+
+    out = trio.run(run)
+    assert asked == [[b"a"]] and out[0] == out[1] == (b"aa", Signature(2, 1, 1, 7))

@@ -117,13 +117,13 @@ async def fly_many(
     read lands with the rest, after the source call for the others."""
     t0 = time.perf_counter()
     got: dict[int, tuple[bytes, os.stat_result] | pyfuse3.FUSEError] = {}
-    rest: list[tuple[int, bytes, int | None]] = []
+    rest: dict[int, tuple[bytes, int | None]] = {}  # key -> (path, size): for the source call
     for key, path, size in items:
-        if key in flights or key in got:
+        if key in flights or key in got or key in rest:
             continue
         one = read_now(path, size) if read_now is not None else None
         if one is None:
-            rest.append((key, path, size))
+            rest[key] = (path, size)
         else:
             got[key] = one
     if not got and not rest:
@@ -131,10 +131,10 @@ async def fly_many(
     seconds = (time.perf_counter() - t0) / len(items)
     fl: dict[int, FileFlight] = {}
     if rest:  # a source call that awaits: every file of the batch is a flight meanwhile
-        fl = {key: FileFlight(ahead=True) for key in [*got, *(k for k, _, _ in rest)]}
+        fl = {key: FileFlight(ahead=True) for key in [*got, *rest]}
         flights.update(fl)
         try:
-            many, seconds = await read_many([(p, s) for _, p, s in rest])
+            many, seconds = await read_many(list(rest.values()))
         except BaseException as exc:
             err = exc if isinstance(exc, pyfuse3.FUSEError) else pyfuse3.FUSEError(errno.EIO)
             for key, flight in fl.items():
@@ -142,7 +142,7 @@ async def fly_many(
                 del flights[key]
                 flight.done.set()
             raise
-        got.update(zip([k for k, _, _ in rest], many, strict=True))
+        got.update(zip(rest, many, strict=True))
     ours: dict[int, tuple[bytes, Signature] | BaseException | None] = {}
     keys, sizes = [], []
     for key, res in got.items():
