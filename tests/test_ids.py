@@ -39,7 +39,8 @@ def test_a_growth_moves_the_ids_in_bounded_steps() -> None:
     n = (1 << 17) * 2 // 3  # 2/3 full: the next id grows the slots
     table.add_many(np.arange(1, n + 1, dtype=np.int64) * 1_000_003)
     assert table._old is None and len(table._s.slots) == 1 << 17
-    assert table.add_many(np.array([-5, -5, 7], dtype=np.int64)).tolist() == [n, n, n + 1]
+    more = np.array([-5, -5, 7, *range(8, 608)], dtype=np.int64)  # large: placed in numpy
+    assert table.add_many(more)[:4].tolist() == [n, n, n + 1, n + 2]
     assert table._old is not None and table._moved == 0 < table._target == n
     table.step()
     assert 0 < table._moved < table._target  # a bounded share per step, not all at once
@@ -48,6 +49,17 @@ def test_a_growth_moves_the_ids_in_bounded_steps() -> None:
     while table._old is not None:
         table.step()
     assert all(table.get(k * 1_000_003) == k - 1 for k in range(1, n + 1, 97))
+
+
+def test_a_small_batch_gets_the_ids_one_by_one_adds_would() -> None:
+    # (below _LOOP_BELOW keys add_many adds them in a loop: a small listing costs less so)
+    rng = np.random.default_rng(7)
+    a, b = IdTable(bits=10), IdTable(bits=10)
+    for _ in range(40):  # through several growths of the slots
+        keys = rng.integers(-(2**50), 2**50, int(rng.integers(1, 300)))
+        keys[::7] = keys[0]  # a hard link's key repeats: one id
+        assert a.add_many(keys).tolist() == [b.add(k) for k in keys.tolist()]
+    assert len(a) == len(b) and all(a.get(k) == b.get(k) for k in a.keys[: len(a)].tolist())
 
 
 def test_single_adds_alone_finish_every_growth() -> None:

@@ -22,6 +22,9 @@ import numpy as np
 __all__ = ["IdTable"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi: Fibonacci hashing, as fs/snapshots.py's table
+# Below this many keys `add_many` adds them one by one: numpy's probing rounds cost more than
+# the loop for a small listing (200 keys: 0.49 ms against 0.23; even at ~700).
+_LOOP_BELOW = 512
 
 
 class IdTable:
@@ -103,6 +106,9 @@ class IdTable:
     def add_many(self, keys: np.ndarray) -> np.ndarray:
         """The ids of `keys` (int64), the new ones numbered in order of first occurrence.
         Each call also moves a bounded share of the ids into grown slots (see `step`)."""
+        if len(keys) < _LOOP_BELOW:
+            add = self.add
+            return np.fromiter((add(k) for k in np.asarray(keys).tolist()), np.int64, len(keys))
         need = self._n + len(keys)
         if need > len(self.keys):
             self._grow_keys(need)
