@@ -261,10 +261,12 @@ class Prefetcher:
         need = rate * self.latency / self.batch_size()
         return max(1, min(self.max_workers, math.ceil(need) + 1))
 
-    def _next_item(self) -> _Pick | None:
-        active = [p for p in self.plans.values() if not p.done]
-        # Lobster: the reader with the least buffered ahead of it goes first.
-        active.sort(key=lambda p: max(p.frontier - p.cursor, 0))
+    def _next_item(self, active: list[Plan] | None = None) -> _Pick | None:
+        """The next file to fetch, of the plans not done (`active`: `_next_batch`'s list)."""
+        if active is None:
+            active = [p for p in self.plans.values() if not p.done]
+        if len(active) > 1:  # Lobster: the reader with the least buffered ahead goes first
+            active.sort(key=lambda p: max(p.frontier - p.cursor, 0))
         staged, inflight, tier_of = self.staged, self._inflight, self._tier_of
         for plan in active:
             plan.frontier = max(plan.frontier, plan.cursor)
@@ -317,8 +319,9 @@ class Prefetcher:
         batch: list[Item] = []
         origins: list[_Origin] = []
         n, nbytes, remote = self.batch_size(), 0, 0
+        active = [p for p in self.plans.values() if not p.done]  # (no read in a batch)
         while remote < n and len(batch) < _BATCH_FILES and nbytes < _BATCH_BYTES:
-            pick = self._next_item()
+            pick = self._next_item(active)
             if pick is None:
                 break
             plan, pos, key, size, tier = pick
