@@ -310,12 +310,11 @@ class Source:
         are the whole file only if len(data) == st.st_size; otherwise they are the start
         of a version larger than `size` (and its fstat says how large).
         """
-        got = self.inline.read(self.paths, rel, size) if self.inline.enabled else None
+        got = self.read_now(rel, size)
         if got is None:
             got = await self.run(_read_bounded, self.paths, rel, size)
-        data, st = got
-        self.bytes_read += len(data)
-        return data, st
+            self.bytes_read += len(got[0])
+        return got
 
     def read_now(self, rel: bytes, size: int | None = None) -> tuple[bytes, os.stat_result] | None:
         """`read_file` answered at once on the calling thread, where the source holds the
@@ -332,27 +331,12 @@ class Source:
         """`read_file` of each (path, size) in one worker thread: what a small file costs
         in the thread (a few syscalls) is far less than a thread hop (prefetch batches).
         Each file's outcome: (bytes, fstat) or its FUSE error; and the seconds the thread
-        spent reading, per file (the source's own latency, without the hop). Files read
-        on the loop (`InlineReads`) make no thread hop; a checkpoint still comes between
-        two calls."""
-        out: list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError | None] = [None] * len(items)
-        rest: list[int] = list(range(len(items)))
-        seconds = 0.0
-        if self.inline.enabled:
-            t0 = time.perf_counter()
-            for i, (rel, size) in enumerate(items):
-                out[i] = self.inline.read(self.paths, rel, size)
-            rest = [i for i, one in enumerate(out) if one is None]
-            seconds = (time.perf_counter() - t0) / len(items)
-        if rest:
-            got, seconds = await self.run(self._read_many, [items[i] for i in rest])
-            for i, res in zip(rest, got, strict=True):
-                out[i] = self._failed(res) if isinstance(res, OSError) else res
-        else:
-            await trio.lowlevel.checkpoint()  # a prefetcher's loop must not starve the rest
-        done = [one for one in out if one is not None]
-        self.bytes_read += sum(len(one[0]) for one in done if isinstance(one, tuple))
-        return done, seconds
+        spent reading, per file (the source's own latency, without the hop). The files the
+        source answers at once are the caller's to read first (`read_now`, flights.py)."""
+        got, seconds = await self.run(self._read_many, items)
+        out = [self._failed(res) if isinstance(res, OSError) else res for res in got]
+        self.bytes_read += sum(len(one[0]) for one in out if isinstance(one, tuple))
+        return out, seconds
 
     def _read_many(
         self, items: Sequence[tuple[bytes, int | None]]

@@ -427,7 +427,7 @@ def test_a_full_window_refills_in_batches_not_a_fetch_per_read() -> None:
                 data = await cache.open(key, b"p%d" % key, source.stat(key))
                 assert data == bytes(1000)
                 cache.unpin(data)  # (its release)
-                await trio.sleep(0.005)
+                await trio.sleep(0.005)  # the reader's pace, in the MockClock's virtual time
             nursery.cancel_scope.cancel()
         assert pf.served >= 190 and sorted(source.fetches) == sorted(b"p%d" % k for k in keys)
         # Each take frees one file's room; the round that refills it waits for an eighth

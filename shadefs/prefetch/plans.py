@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["RATE_EVERY", "Plan"]
+__all__ = ["Plan"]
 
 # The read rate is re-estimated every this many reads.
-RATE_EVERY = 16
+_RATE_EVERY = 16
 # How far ahead of the cursor a read may land and still be the plan's (a read further ahead is
 # taken for another job's read of the same file, and leaves the cursor alone).
 _MATCH_AHEAD = 4096
@@ -95,16 +95,21 @@ class Plan:
             cursor += 1
         self.cursor = cursor
         self.reads += 1
-        if self.reads % RATE_EVERY == 0:
+        if self.paced:
             dt = now - self._rate_since
             if dt > 0:
-                inst = RATE_EVERY / dt
+                inst = _RATE_EVERY / dt
                 self.rate = (
-                    inst if self.reads == RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
+                    inst if self.reads == _RATE_EVERY else ((1 - _EWMA) * self.rate + _EWMA * inst)
                 )
             self._rate_since = now
         self.last_progress = now
         return True
+
+    @property
+    def paced(self) -> bool:
+        """Whether the last read observed made the plan measure its reader's rate anew."""
+        return self.reads > 0 and self.reads % _RATE_EVERY == 0
 
     def consumed(self, pos: int) -> bool:
         """Whether the read at position `pos` has been seen (the prefetcher skips it)."""

@@ -21,7 +21,7 @@ Scheduling (Lobster):
   about `_BATCH_SECONDS` (a thread hop costs more CPU than reading a small file from a fast
   source; a slow one, NFS, gets one file per call, and parallel calls). A round runs when a
   batch lands, when a take frees room in a window that held the last round back, or when a
-  reader's pace (measured anew every RATE_EVERY reads) allows more calls: never per open.
+  reader's pace (measured anew every 16 reads: `Plan.paced`) allows more calls: never per open.
   A landed file is staged if the plan it was taken for still reads it at that position, or
   another plan reads it (one numpy pass per plan, run only when there are several).
 
@@ -62,7 +62,7 @@ import trio
 from shadefs.cache.ssd_format import Signature
 from shadefs.prefetch.fetching import RAM, SSD, FetchAhead, Item, Of, PrefetchSettings
 from shadefs.prefetch.holds import Holds
-from shadefs.prefetch.plans import RATE_EVERY, Plan
+from shadefs.prefetch.plans import Plan
 from shadefs.stats import PrefetchStats
 
 __all__ = ["Plan", "Prefetcher"]
@@ -152,7 +152,7 @@ class Prefetcher:
         now = time.monotonic()
         paced = False
         for plan in self.plans.values():
-            if plan.observe(key, now) and plan.reads % RATE_EVERY == 0:
+            if plan.observe(key, now) and plan.paced:
                 paced = True
         if paced and self._calls < self.target_workers():
             self._wake.set()
