@@ -20,6 +20,10 @@ import signal
 import sys
 from pathlib import Path
 
+# numpy (2.x) loads numpy.ma at the first `np.unique` of the process, to ask whether its
+# argument is masked: ~30 ms of one loop step, which fell inside the first warm epoch (the
+# `epoch` policy's bucket moves call it). Loaded with the rest of start-up instead.
+import numpy.ma  # noqa: F401
 import pyfuse3
 import trio
 
