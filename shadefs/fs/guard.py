@@ -68,7 +68,7 @@ def _guarded(
     fn: Callable[..., Awaitable[T]], hit: Callable[..., T | Pass] | None
 ) -> Callable[..., Awaitable[T]]:
     name = fn.__name__
-    params = [p for p in inspect.signature(fn).parameters.values()][1:]  # (without self)
+    params = list(inspect.signature(fn).parameters.values())[1:]  # (without self)
     if any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.name.startswith("_g_") for p in params):
         raise TypeError(f"handler {name}: only positional parameters, none named _g_*")
     scope: dict[str, Any] = {
