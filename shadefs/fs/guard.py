@@ -44,16 +44,13 @@ PASS = Pass()
 # and its release are two calls of a few microseconds each, and `*args` (a tuple packed at
 # the call, again for the hit path and again for the handler) cost ~0.4 us of them
 # (tools/bench/bench_handlers.py). The source is this module's own; only parameter names
-# of the handler class go into it.
+# of the handler class go into it. Whether the handler has a hit path is known then too:
+# only those that have one test it (`_HIT`).
 _WRAPPER = """
 async def {name}(self, {params}):
     _g_counts = self.metrics.requests  # stats.json `requests`: requests per sample
     _g_counts[_g_name] = _g_counts.get(_g_name, 0) + 1
-    try:
-        if _g_hit is not None:
-            _g_got = _g_hit(self, {params})
-            if _g_got is not _g_PASS:
-                return _g_got
+    try:{hit}
         self._settle()
         return await _g_fn(self, {params})
     except (_g_FUSEError, _g_Cancelled):
@@ -62,6 +59,10 @@ async def {name}(self, {params}):
         _g_log.exception("%s failed; answering EIO", _g_name)
         raise _g_FUSEError(_g_EIO) from None
 """
+_HIT = """
+        _g_got = _g_hit(self, {params})
+        if _g_got is not _g_PASS:
+            return _g_got"""
 
 
 def _guarded(
@@ -81,7 +82,9 @@ def _guarded(
         "_g_EIO": errno.EIO,
         "_g_log": logging.getLogger(fn.__module__),  # (the handler's module logs its bug)
     }
-    exec(_WRAPPER.format(name=name, params=", ".join(p.name for p in params)), scope)
+    args = ", ".join(p.name for p in params)
+    check = "" if hit is None else _HIT.format(params=args)
+    exec(_WRAPPER.format(name=name, params=args, hit=check), scope)
     handler = scope[name]
     handler.__defaults__ = fn.__defaults__
     return cast(Callable[..., Awaitable[T]], functools.wraps(fn)(handler))
