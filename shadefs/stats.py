@@ -77,6 +77,10 @@ class SourceStats:
     timeouts: int
     errors: int
     inline_reads: int = 0  # files read on the event loop, without a thread (source_inline.py)
+    threads: int = 0  # the most worker threads in source calls at once (--source-threads)
+    threads_busy: int = 0  # worker threads in a source call now, stuck ones included
+    threads_stuck: int = 0  # of those, threads whose caller gave up (timed out or cancelled)
+    queue_timeouts: int = 0  # calls that timed out waiting for a thread (all were busy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +377,10 @@ class Stats:
             "source_timeouts": src.timeouts,
             "source_errors": src.errors,
             "source_inline_reads": src.inline_reads,
+            "source_threads": src.threads,
+            "source_threads_busy": src.threads_busy,
+            "source_threads_stuck": src.threads_stuck,
+            "source_queue_timeouts": src.queue_timeouts,
             "sampler": self.sampler.to_json(),
             "jobs": [_dump(job) for job in self.jobs],
         }

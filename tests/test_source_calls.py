@@ -112,3 +112,44 @@ async def test_source_turns_a_timeout_into_eio_once_per_outage(tmp_path) -> None
     gate.set()
     assert await src.run(len, b"abc") == 3
     assert src.healthy
+
+
+async def _threads_back(calls: Calls) -> None:
+    """Until every abandoned thread has returned (they run in real time, outside trio)."""
+    with trio.fail_after(10):
+        while calls.limiter.borrowed_tokens:
+            await trio.to_thread.run_sync(threading.Event().wait, 0.01)
+
+
+async def test_calls_beyond_the_threads_of_a_hung_source_fail_at_their_deadline(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # More concurrent calls than threads, into a source that never answers: every one ends
+    # by its deadline, those that never got a thread included (they waited for ever before).
+    mock_clock.autojump_threshold = 0
+    calls = Calls(trio.CapacityLimiter(2))
+    gate = threading.Event()
+    ended: list[float] = []
+
+    async def call() -> None:
+        with pytest.raises(TimedOut):
+            await calls.run(2.0, _blocked, gate, threading.Event())
+        ended.append(trio.current_time())
+
+    t0 = trio.current_time()
+    with trio.fail_after(60):  # virtual seconds: a call that waits for ever fails the test
+        async with trio.open_nursery() as nursery:
+            for _ in range(7):
+                nursery.start_soon(call)
+    assert ended == [t0 + 2.0] * 7
+    assert calls.queue_timeouts == 5  # never got a thread
+    assert calls.stuck == 2 and calls.limiter.borrowed_tokens == 2  # never reused, bounded
+    # The next call during the outage fails on time too, without a thread of its own.
+    with pytest.raises(TimedOut):
+        await calls.run(2.0, len, b"x")
+    assert calls.queue_timeouts == 6
+    # The source answers again: the stuck threads drain and calls go through on their own.
+    gate.set()
+    await _threads_back(calls)
+    assert calls.stuck == 0
+    assert await calls.run(2.0, len, b"ok") == 2

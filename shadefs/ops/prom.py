@@ -115,6 +115,18 @@ METRICS: tuple[Sample, ...] = (
     _c("source.inline_reads", "source_inline_reads", "Files read without a worker thread"),
     _c("source.errors", "source_errors", "Source calls that failed"),
     _g("source.healthy", "source_healthy", "1 when the source answers, 0 when it does not"),
+    _g("source.threads", "source_threads", "Worker threads source calls may use at once"),
+    _g("source.threads_busy", "source_threads_busy", "Worker threads in a source call now"),
+    _g(
+        "source.threads_stuck",
+        "source_threads_stuck",
+        "Worker threads still in a source call that timed out (held until it returns)",
+    ),
+    _c(
+        "source.queue_timeouts",
+        "source_queue_timeouts",
+        "Source calls that timed out waiting for a worker thread",
+    ),
     _c("namespace.revalidations", "revalidations", "Namespace revalidations against the source"),
     _c("namespace.changed_files", "changed_files", "Files found changed in the source"),
     _g("namespace.inodes_known", "inodes_known", "Inodes in the namespace table"),
