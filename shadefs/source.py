@@ -201,7 +201,6 @@ class Source:
             timeouts=self.timeouts,
             errors=self.errors,
             inline_reads=self.inline.reads,
-            threads=int(self.limiter.total_tokens),
             threads_busy=self.limiter.borrowed_tokens,
             threads_stuck=self.calls.stuck,
             queue_timeouts=self.calls.queue_timeouts,

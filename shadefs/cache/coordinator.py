@@ -224,7 +224,7 @@ class Cache(Hits):
             self.handle_passthrough += 1
             return None
         if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
-            return Deferred(self.fetch, self.handles, key, path, st)
+            return Deferred(self.fetch, self.handles, self.metrics, key, path, st)
         return await self.fetch(key, path, st, pin=False)
 
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:

@@ -107,7 +107,12 @@ METRICS: tuple[Sample, ...] = (
     _c("counters.bytes_served", "bytes_served", "Bytes returned to readers"),
     _c("counters.passthrough_opens", "passthrough_opens", "Opens served straight from the source"),
     _c("counters.control_errors", "control_errors", "Control writes rejected with EINVAL"),
-    _g("hit_ratio", "hit_ratio", "Hits over opens since the mount"),
+    _c(
+        "counters.kernel_hits",
+        "kernel_hits",
+        "Misses the kernel served from its own pages (deferred opens released unread)",
+    ),
+    _g("hit_ratio", "hit_ratio", "Opens served without a fetch (tier and kernel hits) over opens"),
     _g("uptime_s", "uptime_seconds", "Seconds since the mount"),
     _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),
     _c("source.bytes_read", "bytes_from_source", "Bytes read from the source tree"),
@@ -115,7 +120,6 @@ METRICS: tuple[Sample, ...] = (
     _c("source.inline_reads", "source_inline_reads", "Files read without a worker thread"),
     _c("source.errors", "source_errors", "Source calls that failed"),
     _g("source.healthy", "source_healthy", "1 when the source answers, 0 when it does not"),
-    _g("source.threads", "source_threads", "Worker threads source calls may use at once"),
     _g("source.threads_busy", "source_threads_busy", "Worker threads in a source call now"),
     _g(
         "source.threads_stuck",
