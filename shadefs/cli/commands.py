@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 from shadefs import __version__, options
 from shadefs.cli.background import spawn_background
@@ -21,6 +22,7 @@ from shadefs.cli.waiting import ANSWER_TIMEOUT, NoAnswer, mounted, within
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
+    EXIT_USAGE,
     QuietError,
     parse_float,
     parse_int,
@@ -33,8 +35,16 @@ log = logging.getLogger(__name__)
 _WAIT = "seconds to wait for the daemon to answer (default: %(default)g)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as every other error of the command line
+    (`--help` shows the usage); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="shadefs",
         description="A caching filesystem for deep-learning training data.",
     )
