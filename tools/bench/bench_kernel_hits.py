@@ -30,12 +30,13 @@ def main() -> None:
     ap.add_argument("--ram", default="4M")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("mount_args", nargs="*", help="more `shadefs mount` arguments (after --)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         src, mnt = Path(tmp) / "src", Path(tmp) / "mnt"
         rels = make_dataset(src, args.files, args.size)
         one_pass = sum((src / r).stat().st_size for r in rels)
-        with mounted(src, mnt, "--ram", args.ram):
+        with mounted(src, mnt, "--ram", args.ram, *args.mount_args):
             rng = random.Random(0)
             for p in range(args.passes):
                 order = rels[:]
@@ -43,7 +44,7 @@ def main() -> None:
                 # One `cat` per file from one shell: one job for the daemon, as a user's loop.
                 subprocess.run(
                     ["bash", "-c", 'while IFS= read -r f; do cat "$f"; done'],
-                    input="\n".join(str(mnt / r) for r in order).encode(),
+                    input="".join(f"{mnt / r}\n" for r in order).encode(),
                     stdout=subprocess.DEVNULL,
                     check=True,
                 )
@@ -51,7 +52,9 @@ def main() -> None:
                 print(
                     f"after pass {p + 1}: opens {s['hits'] + s['misses']}, tier hits "
                     f"{s['hits']}, misses {s['misses']} (kernel hits {s['kernel_hits']}), "
-                    f"handles {s['handles']}, fetches {s['source_fetches']} {s['source_fetch_bytes']}, prefetch {s.get('prefetch')}, hit ratio {s['hit_ratio']:.3f}, "
+                    f"deferred {s['handles']['deferred']} (unread {s['handles']['unread']}), "
+                    f"hit ratio {s['hit_ratio']:.3f}, fetches {s['source_fetches']} (refetches "
+                    f"{s['refetches']}, prefetched {s.get('prefetch', {}).get('fetched')}), "
                     f"bytes from source {s['bytes_from_source'] / 2**20:.1f} MiB "
                     f"(one pass: {one_pass / 2**20:.1f} MiB)"
                 )
