@@ -190,7 +190,8 @@ class Cache(Hits):
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
         room = self.handles.held + st.st_size <= self.handle_limit
-        staged = prefetcher.take(key, sig) if prefetcher is not None and room and not lazy else None
+        keep = lazy and (ssd is None or key not in ssd.index)  # staged for a first read: fetch
+        staged = prefetcher.take(key, sig) if prefetcher is not None and room and not keep else None
         data = None
         if ssd is not None and (staged is not None or st.st_size <= ssd.max_entry):
             if staged is None:

@@ -53,6 +53,7 @@ def main() -> None:
                     f"after pass {p + 1}: opens {s['hits'] + s['misses']}, tier hits "
                     f"{s['hits']}, misses {s['misses']} (kernel hits {s['kernel_hits']}), "
                     f"deferred {s['handles']['deferred']} (unread {s['handles']['unread']}), "
+                    f"read requests {s['requests'].get('read', 0)}, "
                     f"hit ratio {s['hit_ratio']:.3f}, fetches {s['source_fetches']} (refetches "
                     f"{s['refetches']}, prefetched {s.get('prefetch', {}).get('fetched')}), "
                     f"bytes from source {s['bytes_from_source'] / 2**20:.1f} MiB "
