@@ -17,10 +17,11 @@ primitives:
   in a thread: one that cannot get a thread by its deadline fails as one that timed out in
   a thread (`TimedOut`; `queue_timeouts` counts them). Without this, a hung server that
   holds every token would leave the calls queued behind them waiting until it answers.
-  And while every token is held by a stuck thread, no call can get one before the server
-  answers again: a call then fails at once, as do those already queued. Requests that the
-  kernel sends one after the other (lookups of names in one directory) would otherwise
-  fail one timeout after the other;
+  And while every token is held by a thread whose call timed out, no call can get one
+  before the server answers again: a call then fails at once, as do those already queued.
+  Requests that the kernel sends one after the other (lookups of names in one directory)
+  would otherwise fail one timeout after the other. (A cancelled call's thread is counted
+  as stuck too, but says nothing of the server: it does not make calls fail at once);
 - deadlines are kept by one watchdog task per trio run (a system task, started on first
   use), not by a cancel scope per call. It sleeps until the earliest deadline of the calls
   waiting, or one timeout when none waits (a call made meanwhile has a later deadline), and
@@ -55,12 +56,13 @@ class TimedOut(Exception):
 
 
 class _Call:
-    __slots__ = ("task", "deadline", "waiting")
+    __slots__ = ("task", "deadline", "waiting", "timed_out")
 
     def __init__(self, task: trio.lowlevel.Task, deadline: float) -> None:
         self.task = task
         self.deadline = deadline
         self.waiting = True  # False once answered, timed out or cancelled
+        self.timed_out = False  # its thread ran past the deadline
 
 
 class Calls:
@@ -75,6 +77,7 @@ class Calls:
         self.limiter = limiter
         self.stuck = 0
         self.queue_timeouts = 0
+        self._hung = 0  # of the stuck threads, those whose call timed out (not cancelled)
         self._queued: set[trio.CancelScope] = set()  # the waits of calls queued for a token
         self._waiting: dict[_Call, None] = {}  # in deadline order (insertion order)
         self._token: trio.lowlevel.TrioToken | None = None  # of the run the watchdog serves
@@ -111,6 +114,8 @@ class Calls:
                 trio.lowlevel.reschedule(call.task, result)
             else:
                 self.stuck -= 1  # an abandoned call's thread came back (and its token)
+                if call.timed_out:
+                    self._hung -= 1
 
         def deliver(result: outcome.Outcome[T]) -> None:  # in the worker thread
             try:
@@ -122,7 +127,7 @@ class Calls:
             if call.waiting:
                 call.waiting = False
                 del waiting[call]
-                self._stuck_one()
+                self.stuck += 1  # (a cancelled call says nothing of the source's health)
             return trio.lowlevel.Abort.SUCCEEDED  # the thread runs on, abandoned
 
         waiting[call] = None
@@ -135,8 +140,9 @@ class Calls:
     async def _queue(self, call: _Call) -> None:
         """Wait for a token until the call's deadline (every token is held: a busy or a hung
         source); TimedOut then, as if the call had timed out in a thread. At once while
-        every token is a stuck thread's: none comes back before the source answers."""
-        if self.stuck < self.limiter.total_tokens:
+        every token is held by a call that timed out: none comes back before the source
+        answers."""
+        if self._hung < self.limiter.total_tokens:
             with trio.move_on_at(call.deadline) as scope:
                 self._queued.add(scope)
                 try:
@@ -149,10 +155,12 @@ class Calls:
         self.queue_timeouts += 1
         raise TimedOut()
 
-    def _stuck_one(self) -> None:
-        """A running call was abandoned: its thread is stuck until the source answers."""
+    def _timed_out(self, call: _Call) -> None:
+        """A running call timed out: its thread is stuck until the source answers."""
+        call.timed_out = True
         self.stuck += 1
-        if self.stuck >= self.limiter.total_tokens:
+        self._hung += 1
+        if self._hung >= self.limiter.total_tokens:
             for scope in self._queued:  # no token can come back before the source answers
                 scope.cancel()
 
@@ -167,7 +175,7 @@ class Calls:
                 if call.deadline <= now:
                     call.waiting = False
                     del waiting[call]
-                    self._stuck_one()  # its thread runs on until the source answers
+                    self._timed_out(call)  # its thread runs on until the source answers
                     trio.lowlevel.reschedule(call.task, outcome.Error(TimedOut()))
                 elif call.deadline < first:
                     first = call.deadline

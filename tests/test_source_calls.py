@@ -159,3 +159,24 @@ async def test_calls_beyond_the_threads_of_a_hung_source_fail_at_their_deadline(
     await _threads_back(calls)
     assert calls.stuck == 0
     assert await calls.run(2.0, len, b"ok") == 2
+
+
+async def test_a_cancelled_call_holds_its_thread_but_fails_no_other_call() -> None:
+    # Only calls that timed out say the source is hung; a call cancelled by its caller
+    # keeps its thread till it returns, and the next call waits for that thread.
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    with trio.move_on_after(0.2):
+        await calls.run(30, _blocked, gate, started)
+    assert calls.stuck == 1
+    got: list[int] = []
+
+    async def second() -> None:
+        got.append(await calls.run(30, len, b"abc"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # queued for the one thread, not failed
+        gate.set()
+    assert got == [3] and calls.stuck == 0 and calls.queue_timeouts == 0
