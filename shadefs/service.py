@@ -35,6 +35,7 @@ from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
+from shadefs.fs import kernel_hits
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
@@ -118,9 +119,16 @@ class Service:
             passthrough_above=opts.passthrough_above,
         )
         self.loop_lag = LoopLag()
-        self.control = Control(self, self.stats, self.metrics)
+        self.kernel_hits = kernel_hits.resolve(opts.kernel_hits)
+        self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
         self.operations = Operations(
-            self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
+            self.namespace,
+            self.cache,
+            self.control,
+            self.metrics,
+            self.source,
+            self.blocks,
+            kernel_hits=self.kernel_hits,
         )
 
     @staticmethod

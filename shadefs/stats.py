@@ -30,7 +30,7 @@ class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
     __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors",
-                 "started", "requests")  # fmt: skip
+                 "started", "requests", "no_open")  # fmt: skip
 
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}  # FUSE requests by handler (fs/operations.py)
@@ -40,6 +40,9 @@ class Metrics:
         self.passthrough_opens = 0
         self.control_errors = 0
         self.started = time.time()
+        # Kernel hits (fs/kernel_hits.py): the kernel opens files itself, and `hits` and
+        # `misses` count only the files whose first page the daemon served.
+        self.no_open = False
 
     def describe(self) -> Counters:
         return Counters(
@@ -49,6 +52,7 @@ class Metrics:
             passthrough_opens=self.passthrough_opens,
             control_errors=self.control_errors,
             requests=dict(sorted(self.requests.items())),
+            no_open=self.no_open,
         )
 
 
@@ -65,6 +69,10 @@ class Counters:
     passthrough_opens: int
     control_errors: int
     requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
+    # Kernel hits: the kernel serves every open and the pages it holds without asking the
+    # daemon, which then counts (hits, misses, opens) only the reads of pages the kernel
+    # lacked, one per file read from its start. What the kernel served is not counted.
+    no_open: bool = False
 
 
 @dataclass(frozen=True, slots=True)

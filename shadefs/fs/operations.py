@@ -25,7 +25,6 @@ from typing import cast
 
 import pyfuse3
 from pyfuse3 import FileHandleT, FlagT, InodeT
-
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.entry import Entry
@@ -38,6 +37,7 @@ from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import PUSH_MAX, push_pages
+from shadefs.fs.kernel_hits import KERNEL_PID, KernelContext
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -76,8 +76,12 @@ class Operations(ReadOnly):
         metrics: Metrics,
         source: Source,
         blocks: Blocks | None = None,
+        kernel_hits: bool = False,
     ) -> None:
         super().__init__()
+        # FUSE no-open mode (fs/kernel_hits.py): every open answers ENOSYS, and a read's
+        # `fh` is its inode.
+        self.kernel_hits = metrics.no_open = kernel_hits
         self.blocks = blocks
         self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
@@ -110,13 +114,15 @@ class Operations(ReadOnly):
         self, parent_inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         if parent_inode == ROOT_INODE and name == NAME or Control.owns(parent_inode):
-            return self.control.lookup(parent_inode, name)
+            return self.control.lookup(parent_inode, name, ctx)
         ino, st = await self.ns.lookup(parent_inode, name)
         if self.ns.retired:
             await self._drop_retired()
         return self.ns.attrs(ino, st)
 
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
+        if self.control.sessions:  # an open control file ends when the kernel forgets it
+            inode_list = self.control.forget(inode_list)
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
         for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
@@ -209,7 +215,7 @@ class Operations(ReadOnly):
         record goes with it). The node's check must not be due, and the file still RAM's to
         serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
-        if rec is None or flags & _WRITE_FLAGS:
+        if rec is None or flags & _WRITE_FLAGS or self.kernel_hits:
             return PASS
         # (The record's fields by index, its entry untouched: each object read is a likely
         # cache miss on a warm open, where the kernel and the readers ran in between.)
@@ -235,6 +241,13 @@ class Operations(ReadOnly):
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
+        if self.kernel_hits:
+            # No-open mode from here on (fs/kernel_hits.py): the kernel answers this open
+            # itself, and every later one without asking. What an open would do here, its
+            # first read does (`_read_node`).
+            raise pyfuse3.FUSEError(errno.ENOSYS)
+        if Control.owns(inode):
+            return self.control.open(inode, flags, ctx)
         # Source descriptors this open takes count against the opener (source.py).
         token = OPENER.set(ctx.uid)
         try:
@@ -243,10 +256,8 @@ class Operations(ReadOnly):
             OPENER.reset(token)
 
     async def _open(
-        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext | KernelContext
     ) -> pyfuse3.FileInfo:
-        if Control.owns(inode):
-            return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
             raise erofs()
         st, path, checked = self.ns.opening(inode)
@@ -256,9 +267,10 @@ class Operations(ReadOnly):
         due = time.monotonic() - checked >= self.ns.revalidate
         if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
             raise await self._retire(inode)
-        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
+        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
+        # for a no-open read: the kernel asks because it lacks the pages.
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
-        lazy = seen and self.deferrals.kernel.worth_deferring()
+        lazy = seen and not self.kernel_hits and self.deferrals.kernel.worth_deferring()
         sig = Signature.of(st)  # the version looked up: what every check below compares to
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
@@ -296,7 +308,8 @@ class Operations(ReadOnly):
         resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
         if resident is not None and resident.data is entry.data and changes == self.ns.changes:
             self._verify(inode, resident, sig, path, checked)
-        push = not seen or fh - self._push_fh <= _REPUSH
+        # (Not while answering a no-open read: the kernel holds the pages it reads locked.)
+        push = not self.kernel_hits and (not seen or fh - self._push_fh <= _REPUSH)
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
         # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
@@ -363,6 +376,37 @@ class Operations(ReadOnly):
         return pyfuse3.FileInfo(fh=fh, keep_cache=resident)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
+        if self.kernel_hits:
+            return await self._read_node(fh, off, size)
+        return await self._read(fh, off, size)
+
+    async def _read_node(self, inode: InodeT, off: int, size: int) -> bytes:
+        """A READ under no-open, which names the inode (fs/kernel_hits.py): the kernel lacks
+        these pages. A resident file whose version an earlier read verified (the record the
+        hit path reads) is served at once; anything else is opened as an open would be,
+        read, and let go. A read at offset 0 counts as the file's open: the kernel serves
+        the pages it holds without asking, so a read that starts there is a reader's first
+        look at a file it lacks."""
+        if Control.owns(inode):
+            return self.control.read(inode, off, size)
+        rec = self._verified.get(inode)
+        if rec is not None:
+            data = rec[3]
+            cache = self.cache
+            if time.monotonic() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
+                if not off:
+                    cache.hit(inode, data, KERNEL_PID, rec[2])
+                    self._unpin(data)  # (`hit` pins for a handle; this read holds none)
+                chunk = cast(bytes, memoryview(data)[off : off + size])
+                self.metrics.bytes_served += len(chunk)
+                return chunk
+        fi = await self._open(inode, os.O_RDONLY, KernelContext())
+        try:
+            return await self._read(fi.fh, off, size)
+        finally:
+            await self._release(fi.fh)
+
+    async def _read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
@@ -402,6 +446,9 @@ class Operations(ReadOnly):
         return None
 
     async def release(self, fh: FileHandleT) -> None:
+        await self._release(fh)
+
+    async def _release(self, fh: FileHandleT) -> None:
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
@@ -421,7 +468,7 @@ class Operations(ReadOnly):
             self.control.release(fh)
 
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
-        if self.control.owns_handle(fh):
+        if self.control.holds(fh):
             return await self.control.write(fh, buf)
         raise erofs()
 
