@@ -121,15 +121,8 @@ class Service:
         self.loop_lag = LoopLag()
         self.kernel_hits = kernel_hits.resolve(opts.kernel_hits)
         self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
-        self.operations = Operations(
-            self.namespace,
-            self.cache,
-            self.control,
-            self.metrics,
-            self.source,
-            self.blocks,
-            kernel_hits=self.kernel_hits,
-        )
+        parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
+        self.operations = Operations(*parts, kernel_hits=self.kernel_hits)
 
     @staticmethod
     def _ssd_store(opts: MountOptions) -> SsdStore:

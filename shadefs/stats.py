@@ -6,8 +6,8 @@ its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier
 `SamplerStats`), the service assembles them into one `Stats`: `to_json()` is `stats.json`
 (stable keys), `render_text()` the `stats` file; `ops.prom` and `ops.watch` read it too.
 
-It imports no part (the parts import it): the data flows one way. The hot path only
-increments plain int attributes of `Metrics` (no locks: all runs in the trio thread)."""
+It imports no part (the parts import it): the data flows one way. The hot path increments
+plain int attributes of `Metrics` (no locks: all runs in the trio thread)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,7 @@ class Metrics:
         self.passthrough_opens = 0
         self.control_errors = 0
         self.started = time.time()
-        # Kernel hits (fs/kernel_hits.py): the kernel opens files itself, and `hits` and
-        # `misses` count only the files whose first page the daemon served.
-        self.no_open = False
+        self.no_open = False  # kernel hits (fs/kernel_hits.py): see Counters
 
     def describe(self) -> Counters:
         return Counters(
@@ -69,10 +67,7 @@ class Counters:
     passthrough_opens: int
     control_errors: int
     requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
-    # Kernel hits: the kernel serves every open and the pages it holds without asking the
-    # daemon, which then counts (hits, misses, opens) only the reads of pages the kernel
-    # lacked, one per file read from its start. What the kernel served is not counted.
-    no_open: bool = False
+    no_open: bool = False  # kernel hits: hits, misses: only reads of pages the kernel lacked
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,9 @@ log line.
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import subprocess
 import sys
 import time
@@ -156,3 +158,21 @@ def test_a_stock_pyfuse3_serves_with_opens_and_says_so_once(tmp_path: Path) -> N
         proc.wait(30)
     lines = [ln for ln in log.read_text().splitlines() if "kernel hits" in ln]
     assert len(lines) == 1 and "WARNING" in lines[0] and "kernel hits are off" in lines[0]
+
+
+def test_a_file_renamed_over_before_its_first_read_is_never_served(tmp_path: Path, mounter) -> None:
+    """The kernel opens the node it looked up; the daemon meets the file at the first read,
+    and a file renamed over it since is another file: ESTALE, for whole files and blocks."""
+    rng = random.Random(7)
+    small, big = rng.randbytes(50_000), rng.randbytes(200_000)  # (RAM entries up to 64K)
+    files = {"w.bin": small, "n1": small[::-1], "b.bin": big, "n2": big[::-1]}
+    src = make_tree(tmp_path / "src", files)
+    m = mounter(src, "--ram", "4M", "--max-entry", "64K", "--block-size", "32K",
+                "--no-prefetch", "--no-speculate", "--kernel-hits", "on")  # fmt: skip
+    for name, other in (("w.bin", "n1"), ("b.bin", "n2")):
+        with open(m.mnt / name, "rb") as f:
+            os.rename(src / other, src / name)
+            with pytest.raises(OSError) as exc:
+                f.read()
+            assert exc.value.errno == errno.ESTALE
+        assert (m.mnt / name).read_bytes() == files[other]  # the next open: the new node

@@ -28,6 +28,7 @@ TOP = {
     "source_healthy", "source_timeouts",
     "source_errors", "source_inline_reads", "control_errors", "sampler", "jobs", "source_fetches",
     "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
+    "no_open",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
 RAM = {"bytes", "capacity", "entries", "hits"}

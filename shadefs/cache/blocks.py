@@ -160,8 +160,9 @@ class Blocks:
 
     # --- open / release ---------------------------------------------------------------
 
-    async def open(self, key: int, path: bytes, st: StatLike) -> tuple[BlockHandle, bool]:
-        """A handle on the file, and whether every block is resident in RAM (keep_cache)."""
+    async def open(self, key: int, path: bytes, st: StatLike) -> tuple[BlockHandle, bool] | None:
+        """A handle on the file, and whether every block is resident in RAM (keep_cache);
+        None when `path` leads to another version than `st`'s now (the caller decides)."""
         sig = Signature.of(st)
         old = self._sigs.get(key)
         if old is not None and old != sig:
@@ -178,8 +179,13 @@ class Blocks:
                 break
         if not resident:
             # Opened now, like a pass-through handle: the handle reads the file it opened,
-            # whatever is renamed or swapped in at its path later.
-            h.fd = await self.source.open_fd(path)
+            # whatever is renamed or swapped in at its path later; and only the version the
+            # caller looked up (a rename between its lookup and this open is another file).
+            fd, now = await self.source.open_file(path)
+            if Signature.of(now) != sig:
+                await self.source.close_fd(fd)
+                return None
+            h.fd = fd
             return h, False
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).

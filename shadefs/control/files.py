@@ -22,8 +22,9 @@ attribute timeouts 0, so that every path walk looks up anew): the node is the op
 made with the looking-up process's pid and uid, and ended when the kernel forgets it. Its
 reported size bounds what the kernel reads: the content rendered at the lookup, or what a
 response holds after a request was written. A file's pages then never outlive its one open.
-A `plan` is installed when its node is forgotten, that is, at the next lookup of `plan` or
-when the kernel drops the entry. Anything malformed fails
+No close is ever seen, so a `plan` written since is installed before the next read the
+daemon serves or the next lookup of a control file (`install_plans`), and again if more
+is written. Anything malformed fails
 the write with EINVAL (a ctl write over the size limit with EFBIG), leaves the state
 untouched and poisons the handle of a stream, so that a client retrying a short write sees
 the error too. Control parses and dispatches only: the daemon's service object, seen
@@ -55,6 +56,7 @@ from shadefs.control.entries import (
     FH_BASE,
     FILES,
     METRICS,
+    PLAN,
     SESSION_BASE,
     STATS,
     STATS_JSON,
@@ -98,6 +100,7 @@ class Control:
         self._next_fh = FH_BASE
         self.sessions = sessions  # a node per lookup (module doc, "Sessions")
         self._next_session = SESSION_BASE
+        self.pending_plans: set[int] = set()  # sessions whose plan grew since installed
 
     # --- namespace --------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class Control:
             if spec is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             if self.sessions:
+                self.install_plans()
                 return self.attrs(self._session(spec, ctx))
             return self.attrs(spec.ino)
         return self.attrs(DIR_INODE)
@@ -155,6 +159,15 @@ class Control:
         self._next_session += 1
         self._handles[ino] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
         return ino
+
+    def install_plans(self) -> None:
+        """Install the plans written to sessions since they were last installed (module
+        doc: under kernel hits no close is seen); each replaces its writer's last plan."""
+        for ino in self.pending_plans:
+            handle = self._handles.get(ino)
+            if handle is not None:
+                self.channel.release(handle)
+        self.pending_plans.clear()
 
     def forget(self, inodes: Sequence[tuple[InodeT, int]]) -> Sequence[tuple[InodeT, int]]:
         """End the sessions among `inodes` that the kernel forgot; the others."""
@@ -248,6 +261,8 @@ class Control:
                 result = await self.channel.write(handle, buf)
                 if result is not None:
                     self.last_result = result
+                if self.sessions and handle.spec is PLAN:
+                    self.pending_plans.add(fh)
             else:
                 raise pyfuse3.FUSEError(errno.EBADF)
         except (CommandError, Rejected, wire.WireError) as exc:
@@ -266,5 +281,9 @@ class Control:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
-        if handle is not None and handle.spec is not CTL:
-            self.channel.release(handle)
+        if handle is None or handle.spec is CTL:
+            return
+        if self.sessions and handle.spec is PLAN and fh not in self.pending_plans:
+            return  # (installed already: install_plans)
+        self.pending_plans.discard(fh)
+        self.channel.release(handle)

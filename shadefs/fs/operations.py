@@ -25,6 +25,7 @@ from typing import cast
 
 import pyfuse3
 from pyfuse3 import FileHandleT, FlagT, InodeT
+
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.entry import Entry
@@ -369,7 +370,12 @@ class Operations(ReadOnly):
         self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
     ) -> pyfuse3.FileInfo:
         """A large file, cached in blocks (cache/blocks.py)."""
-        handle, resident = await blocks.open(inode, path, st)
+        got = await blocks.open(inode, path, st)
+        if got is None:  # another version at the path: the node is retired (`_open_through`)
+            if await self.ns.fresh_stat(inode, force=True):
+                raise await self._retire(inode)
+            raise pyfuse3.FUSEError(errno.EIO)
+        handle, resident = got
         self._blk[fh := self._handle(inode)] = handle
         # Only a file whose every block is resident may keep the kernel's pages: otherwise
         # they could outlive a change that this open has just revalidated.
@@ -389,6 +395,8 @@ class Operations(ReadOnly):
         look at a file it lacks."""
         if Control.owns(inode):
             return self.control.read(inode, off, size)
+        if self.control.pending_plans:  # (no close is seen: control/files.py, Sessions)
+            self.control.install_plans()
         rec = self._verified.get(inode)
         if rec is not None:
             data = rec[3]

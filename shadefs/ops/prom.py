@@ -107,6 +107,12 @@ METRICS: tuple[Sample, ...] = (
     _c("counters.bytes_served", "bytes_served", "Bytes returned to readers"),
     _c("counters.passthrough_opens", "passthrough_opens", "Opens served straight from the source"),
     _c("counters.control_errors", "control_errors", "Control writes rejected with EINVAL"),
+    _g(
+        "counters.no_open",
+        "kernel_hits_mode",
+        "1 when the kernel opens files itself (--kernel-hits): hits and misses count only "
+        "the files whose pages the daemon served",
+    ),
     _g("hit_ratio", "hit_ratio", "Hits over opens since the mount"),
     _g("uptime_s", "uptime_seconds", "Seconds since the mount"),
     _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),

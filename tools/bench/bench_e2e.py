@@ -805,6 +805,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefetch-window", metavar="SIZE", help="for (d), (f) and (g); default: shadefs's"
     )
     g.add_argument("--log-dir", type=Path, help="keep the shadefs logs here (default: none)")
+    g.add_argument(
+        "--kernel-hits",
+        choices=("on", "off"),
+        default="off",
+        help="mount every shadefs configuration with --kernel-hits (FUSE no-open)",
+    )
     g = ap.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=3)
     g.add_argument("--workers", type=int, default=4)
@@ -843,6 +849,8 @@ def configs(
     # (b) is the unchanged job without any prefetching; (f) the same with speculation.
     no_speculate = ["--no-speculate"] if "--no-speculate" in help_text else []
     base = ["--ram", str(ram)]
+    if args.kernel_hits != "off":
+        base += ["--kernel-hits", args.kernel_hits]
     prefetch = ["--prefetch"] if "--prefetch" in help_text.replace("--prefetch-", "") else []
     if args.prefetch_window:
         prefetch += ["--prefetch-window", args.prefetch_window]
