@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc systemd attr diffutils findutils util-linux
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch systemd attr diffutils findutils util-linux
 
 .PHONY: setup system-deps demo test lint bench install clean pyfuse3
 
@@ -42,10 +42,11 @@ demo: setup
 	$(VENV)/bin/shadefs demo
 
 # The mount tests that run a second time with every mount in kernel-hits mode (FUSE
-# no-open): identity and consistency, the randomised race, the control directory and the
-# sampler's channel. (tests/test_kernel_hits_mount.py runs the mode in the first pass too.)
+# no-open): identity and consistency, the randomised race, never reading outside SRC, the
+# control directory and the sampler's channel. (tests/test_kernel_hits_mount.py runs the
+# mode in the first pass too.)
 KERNEL_HITS_TESTS := tests/test_mount.py tests/test_identity_mount.py \
-	tests/test_identity_race_mount.py tests/test_sampler_mount.py
+	tests/test_identity_race_mount.py tests/test_security.py tests/test_sampler_mount.py
 
 test: setup
 	$(VENV)/bin/ruff check shadefs tests tools examples

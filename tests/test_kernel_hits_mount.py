@@ -176,3 +176,19 @@ def test_a_file_renamed_over_before_its_first_read_is_never_served(tmp_path: Pat
                 f.read()
             assert exc.value.errno == errno.ESTALE
         assert (m.mnt / name).read_bytes() == files[other]  # the next open: the new node
+
+
+def test_a_file_read_in_several_reads_is_fetched_once(tmp_path: Path, mounter) -> None:
+    """The kernel reads a large file in several READs, some at once, each naming only the
+    inode: the daemon keeps the handle the first one opened while they last, so the file is
+    fetched once, and no handle outlives the reads."""
+    data = random.Random(3).randbytes(4 << 20)  # (a READ carries at most 1 MiB)
+    src = make_tree(tmp_path / "src", {"big.bin": data})
+    m = mounter(src, "--ram", "64M", "--max-entry", "8M", "--kernel-hits", "on")
+    before = m.stats()
+    assert (m.mnt / "big.bin").read_bytes() == data
+    after = m.stats()
+    assert after["requests"].get("read", 0) - before["requests"].get("read", 0) - 1 > 1
+    assert after["source_fetches"] - before["source_fetches"] == 1
+    assert after["bytes_from_source"] - before["bytes_from_source"] == len(data)
+    assert after["handles"]["open"] == 0

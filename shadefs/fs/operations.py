@@ -60,6 +60,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 # page-cache drop between epochs) and would send READs for the reopens. A read on its own
 # (one file's pages aged out, as a page-out daemon does now and then) pushes nothing.
 _REPUSH = 64
+# Under kernel hits: files whose handle is kept between their READs (`_read_node`), at most.
+_PARTIAL = 64
 
 
 @guard_handlers
@@ -98,6 +100,7 @@ class Operations(ReadOnly):
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
+        self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
@@ -124,6 +127,8 @@ class Operations(ReadOnly):
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         if self.control.sessions:  # an open control file ends when the kernel forgets it
             inode_list = self.control.forget(inode_list)
+            for ino, _ in inode_list:
+                await self._let_go(ino)
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
         for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
@@ -408,11 +413,41 @@ class Operations(ReadOnly):
                 chunk = cast(bytes, memoryview(data)[off : off + size])
                 self.metrics.bytes_served += len(chunk)
                 return chunk
-        fi = await self._open(inode, os.O_RDONLY, KernelContext())
+        # A file the kernel reads in several READs (some at once: its read-ahead) keeps the
+        # handle that the first opened (`_partial`: [handle, READs using it, whether one
+        # reached the end]): its bytes are fetched once, whether or not the cache admitted
+        # them, and a large file's source descriptor is opened once. A handle is let go when
+        # no READ uses it, once a READ reached the file's end, or as the oldest idle one
+        # past _PARTIAL.
+        got = self._partial.get(inode)
+        if got is None:
+            fh = (await self._open(inode, os.O_RDONLY, KernelContext())).fh
+            got = self._partial.setdefault(inode, [fh, 0, 0])
+            if got[0] != fh:
+                await self._release(fh)  # (another READ of it opened first)
+            elif len(self._partial) > _PARTIAL:
+                await self._let_go(next((i for i, g in self._partial.items() if not g[1]), -1))
+        got[1] += 1
         try:
-            return await self._read(fi.fh, off, size)
-        finally:
-            await self._release(fi.fh)
+            chunk = await self._read(got[0], off, size)
+        except BaseException:
+            got[1] -= 1
+            await self._let_go(inode, got)
+            raise
+        got[1] -= 1
+        if len(chunk) < size or off + size >= self.ns.stat(inode).st_size:
+            got[2] = 1  # read to its end
+        if got[2] or inode in self._verified:  # (verified: the next READs are served above)
+            await self._let_go(inode, got)
+        return chunk
+
+    async def _let_go(self, inode: int, got: list[int] | None = None) -> None:
+        """Release `inode`'s kept handle (`_read_node`) if no READ uses it (and it is
+        `got`, when given)."""
+        kept = self._partial.get(inode)
+        if kept is not None and not kept[1] and (got is None or kept is got):
+            del self._partial[inode]
+            await self._release(kept[0])
 
     async def _read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
