@@ -276,7 +276,14 @@ class Operations(ReadOnly):
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
         # for a no-open read: the kernel asks because it lacks the pages.
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
-        lazy = seen and not self.kernel_hits and self.deferrals.kernel.worth_deferring()
+        if self.kernel_hits:
+            # A READ: the kernel lacks the pages. Of a file it was thought to hold, it says
+            # the kernel's pages are being reclaimed (speculation stages such files again).
+            if seen:
+                self.deferrals.kernel.served(False)
+            seen = lazy = False
+        else:
+            lazy = seen and self.deferrals.kernel.worth_deferring()
         sig = Signature.of(st)  # the version looked up: what every check below compares to
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
