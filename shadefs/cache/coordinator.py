@@ -243,6 +243,8 @@ class Cache(Hits):
         if flight is not None:
             # Someone is already fetching this file: wait for their bytes.
             self.shared_fetches += 1
+            if flight.ahead and self.prefetcher is not None:
+                self.prefetcher.joined(key)  # the prefetch serves this open, late
             try:
                 data = await flight.result()
             except pyfuse3.FUSEError:

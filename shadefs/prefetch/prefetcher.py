@@ -54,6 +54,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 import pyfuse3
@@ -119,6 +120,13 @@ class Prefetcher:
         self.file_seconds = 0.0005  # the source's own seconds per file, EWMA
         self.fetched = self.fetched_bytes = self.served = self.wasted = 0  # counters
         self.errors = self.skipped = self.plans_done = self.plans_abandoned = self.kept = 0
+        # Where the fetches that no staged take served went: `late`, a reader opened the
+        # file while it was in flight and took the fetch's bytes (served, just late);
+        # `unused`, it landed when no plan read it any more (its plan ended or was replaced
+        # meanwhile) and was dropped unstaged. With `wasted` (staged, dropped unread) they
+        # account for every fetch: fetched = first takes + late + unused + wasted + staged.
+        self.late = self.unused = 0
+        self._joined: set[int] = set()  # keys in flight that a reader took the bytes of
 
     # --- plans --------------------------------------------------------------------------
 
@@ -207,6 +215,13 @@ class Prefetcher:
             return None
         self.served += 1
         return data
+
+    def joined(self, key: int) -> None:
+        """A reader opened `key` while its prefetch is in flight and waits for the fetch's
+        bytes (cache/coordinator.py): unless a plan stages it for a later read (which the
+        reader then takes), the prefetch served it, late, when it lands (`_stage`)."""
+        if key in self._inflight:
+            self._joined.add(key)
 
     def hold(self, key: int, data: bytes, sig: Signature, wanted: int = 0) -> bool:
         """Keep bytes the cache let go staged for their reads to come (holds.py): a sweep
@@ -348,6 +363,8 @@ class Prefetcher:
                 del self._inflight[key]
                 self._inflight_bytes -= size
             self._wake.set()
+            joined = self._joined.intersection([key for key, _, _ in batch])
+            self._joined -= joined
         self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
         if seconds > 0:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
@@ -364,11 +381,17 @@ class Prefetcher:
                 self.fetched += 1
                 self.fetched_bytes += len(one[0])
         if landed:
-            self._stage(landed, froms)
+            self._stage(landed, froms, joined)
 
-    def _stage(self, landed: list[tuple[int, bytes, Signature]], origins: list[_Origin]) -> None:
+    def _stage(
+        self,
+        landed: list[tuple[int, bytes, Signature]],
+        origins: list[_Origin],
+        joined: AbstractSet[int] = frozenset(),
+    ) -> None:
         """Stage the fetched files that some plan still reads: the plan an item came from
-        is asked at its position, every other plan in one vectorised pass."""
+        is asked at its position, every other plan in one vectorised pass. `joined`: keys
+        whose reader waits for these bytes (served late, unless staged for a later read)."""
         plans = self.plans
         readers = [
             plan.readers if plans.get(plan.name) is plan and not plan.consumed(pos) else 0
@@ -385,7 +408,13 @@ class Prefetcher:
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
             if not n or key in self.staged or self._tier_of(key) == RAM:
-                # Read meanwhile (its reader shared the flight, or its plan ended).
+                if key in joined:  # its reader takes the bytes from the flight
+                    self.late += 1
+                    self.served += 1
+                else:
+                    # No plan reads it any more (its plan ended or was replaced meanwhile):
+                    # these bytes crossed the link for nothing.
+                    self.unused += 1
                 continue
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
@@ -442,4 +471,6 @@ class Prefetcher:
             plans_done=self.plans_done,
             plans_abandoned=self.plans_abandoned,
             kept=self.kept,
+            late=self.late,
+            unused=self.unused,
         )

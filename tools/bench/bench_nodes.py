@@ -197,6 +197,16 @@ def gloo_collectives(n: int, world: int, repeats: int) -> None:
 # --- the mounted job ------------------------------------------------------------------------
 
 
+def _node_counters(mnt: str) -> dict[str, int]:
+    """The counters of one node's stats.json that the report reads (cumulative)."""
+    doc = stats(Path(mnt))
+    pf = doc.get("prefetch") or {}
+    keys = ("hits", "misses", "bytes_from_source", "source_fetches", "refetches", "refused")
+    out = {k: int(doc.get(k, 0)) for k in keys}
+    out.update({f"prefetch_{k}": int(v) for k, v in pf.items() if isinstance(v, int)})
+    return out
+
+
 def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -204,8 +214,17 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import shadefs.torch.sampler as sampler_mod
     from shadefs.torch import ShadeSampler
 
+    installed: list[Any] = [None]  # the global order this rank's daemon installed
     if not cfg["partitioned"]:
         sampler_mod.install_epoch = lambda *a, **k: None  # type: ignore[assignment]
+    else:
+        install = sampler_mod.install_epoch
+
+        def keep(*a: Any, **k: Any) -> Any:
+            installed[0] = install(*a, **k)
+            return installed[0]
+
+        sampler_mod.install_epoch = keep  # type: ignore[assignment]
     dist.init_process_group("gloo", init_method=f"file://{cfg['rdv']}", rank=rank, world_size=world)
     try:
         node = rank // cfg["ranks_per_node"]
@@ -215,7 +234,15 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         times = []
         for epoch in range(cfg["epochs"]):
             sampler.set_epoch(epoch)
+            installed[0] = None
             order = list(sampler)
+            # Every rank's share, every sender's global order and what its daemon hands
+            # out for every rank (as tests/test_nodes_mount.py asks), for rank 0 to check.
+            named = None
+            if cfg["partitioned"]:
+                named = [sampler.order(epoch, r).tolist() for r in range(world)]
+            views: list[Any] = [None] * world
+            dist.all_gather_object(views, (order, installed[0], named))
             dist.barrier()
             t0 = time.perf_counter()
             for start in range(0, len(order), 32):
@@ -233,9 +260,19 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
             sampler.report(train_loss=1.0 / (epoch + 1))
             dist.barrier()
             if rank == 0:
-                snap = [stats(Path(m)) for m in cfg["mounts"]]
+                snap = [_node_counters(m) for m in cfg["mounts"]]
                 remote = slowfs_stats(Path(cfg["remote"]))
-                row = [epoch, times[-1], [(s["hits"], s["misses"]) for s in snap], remote["bytes"]]
+                shares = [v[0] for v in views]
+                globals_ = [np.asarray(v[1]) for v in views if v[1] is not None]
+                named = [v[2] for v in views if v[2] is not None]
+                row = {
+                    "epoch": epoch,
+                    "seconds": times[-1],
+                    "nodes": snap,
+                    "remote": remote["bytes"],
+                    "entries": sum(len(s) for s in shares),
+                    "check": _check_order(shares, globals_, named) if cfg["partitioned"] else "",
+                }
                 with open(cfg["log"], "a") as out:
                     out.write(json.dumps(row) + "\n")
             dist.barrier()
@@ -244,8 +281,30 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def _check_order(
+    shares: list[list[int]], orders: list[np.ndarray], named: list[list[list[int]]]
+) -> str:
+    """"ok" when every node installed one global order, every node's daemon names the
+    shares the ranks trained, and those hold each entry of the order (DistributedSampler's
+    padding aside); else what is wrong."""
+    if not orders or any(not np.array_equal(o, orders[0]) for o in orders):
+        return "the nodes installed different global orders"
+    if any(view != shares for view in named):
+        return "the nodes' daemons name different shares"
+    order = orders[0]
+    got = np.bincount(np.concatenate([np.asarray(s, dtype=np.int64) for s in shares]))
+    want = np.bincount(order, minlength=len(got))
+    got = np.pad(got, (0, max(0, len(want) - len(got))))
+    lost = int(np.clip(want - got, 0, None).sum())
+    extra = int(np.clip(got - want, 0, None).sum())
+    padding = sum(len(s) for s in shares) - len(order)
+    if lost or extra != padding:
+        return f"{lost} entries of the global order lost, {extra - padding} extra"
+    return "ok"
+
+
 def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], ram: int,
-            partitioned: bool) -> list[Any]:  # fmt: skip
+            partitioned: bool) -> list[dict[str, Any]]:  # fmt: skip
     import torch.multiprocessing as tmp_mp
 
     tag = "partitioned" if partitioned else "independent"
@@ -262,7 +321,7 @@ def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], 
             part = rels[k * len(rels) // args.nodes : (k + 1) * len(rels) // args.nodes]
             for rel in part:
                 (m / rel).read_bytes()
-        base = [stats(m) for m in mounts]
+        base = [_node_counters(str(m)) for m in mounts]
         remote0 = slowfs_stats(remote)["bytes"]
         cfg = {
             "partitioned": partitioned,
@@ -277,36 +336,84 @@ def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], 
         }
         world = args.nodes * args.ranks_per_node
         tmp_mp.spawn(_rank_main, args=(world, cfg), nprocs=world, join=True)
+        if args.keep_stats:
+            for k, m in enumerate(mounts):
+                (args.keep_stats / f"{tag}-node{k}.json").write_text(json.dumps(stats(m)))
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     # Per-epoch deltas from the cumulative counters.
     out = []
-    prev = [(s["hits"], s["misses"]) for s in base]
-    prev_bytes = remote0
-    for epoch, seconds, counts, nbytes in rows:
-        delta = [(h - ph, m - pm) for (h, m), (ph, pm) in zip(counts, prev, strict=True)]
-        out.append((epoch, seconds, delta, nbytes - prev_bytes))
-        prev, prev_bytes = counts, nbytes
+    prev, prev_bytes = base, remote0
+    for row in rows:
+        delta = [
+            {k: v - p.get(k, 0) for k, v in now.items()}
+            for now, p in zip(row["nodes"], prev, strict=True)
+        ]
+        out.append({**row, "nodes": delta, "remote": row["remote"] - prev_bytes})
+        prev, prev_bytes = row["nodes"], row["remote"]
     return out
 
 
-def report(tag: str, rows: list[Any], total: int, epochs: int) -> float:
-    ratios, seconds, moved = [], [], []
-    for _, secs, delta, nbytes in rows:
-        hits = sum(h for h, _ in delta)
-        opens = sum(h + m for h, m in delta)
-        ratios.append(hits / max(opens, 1))
-        seconds.append(secs)
-        moved.append(nbytes / total)
-    steady = statistics.mean(ratios[1:]) if len(ratios) > 1 else ratios[0]
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def report(
+    tag: str, rows: list[dict[str, Any]], total: int, epochs: int, verbose: bool = False
+) -> dict[str, float]:
+    """Print one run's figures; returns its steady-state ones (epochs 2..E)."""
+    hit, moved, bound, seconds = [], [], [], []
+    for row in rows:
+        nodes = row["nodes"]
+        hits = sum(n["hits"] for n in nodes)
+        opens = sum(n["hits"] + n["misses"] for n in nodes)
+        hit.append(_ratio(hits, opens))
+        moved.append(row["remote"] / total)
+        bound.append(1.0 - hit[-1])  # (1 - aggregate hit) x data, in datasets
+        seconds.append(row["seconds"])
+    steady = slice(1, None) if len(rows) > 1 else slice(None)
+    worst = max(_ratio(m, b) for m, b in zip(moved[steady], bound[steady], strict=True))
     print(
-        f"{tag:>12}: hit ratio epochs 2-{epochs} {steady:.3f}  per epoch "
-        + " ".join(f"{r:.3f}" for r in ratios)
-        + "\n              remote bytes per epoch (datasets) "
-        + " ".join(f"{m:.2f}" for m in moved)
-        + "\n              epoch time s (slowest rank) "
-        + " ".join(f"{s:.1f}" for s in seconds)
+        f"{tag:>12}: aggregate hit ratio epochs 2-{epochs} {statistics.mean(hit[steady]):.3f}"
+        "  per epoch " + " ".join(f"{r:.3f}" for r in hit)
     )
-    return steady
+    print(
+        "              remote bytes per epoch (datasets) "
+        + " ".join(f"{m:.3f}" for m in moved)
+        + "\n              bound (1 - aggregate hit) x data "
+        + " ".join(f"{b:.3f}" for b in bound)
+        + f"\n              remote / bound, worst of epochs 2-{epochs}: {worst:.3f}"
+    )
+    served_ratio = []
+    for k in range(len(rows[0]["nodes"])):
+        per = [(r["nodes"][k].get("prefetch_served", 0), r["nodes"][k].get("prefetch_fetched", 0))
+               for r in rows]  # fmt: skip
+        s = sum(sv for sv, _ in per[steady])
+        f = sum(fv for _, fv in per[steady])
+        served_ratio.append(_ratio(s, f))
+        wasted = sum(r["nodes"][k].get("prefetch_wasted", 0) for r in rows[steady])
+        print(
+            f"              node {k}: prefetch served/fetched per epoch "
+            + " ".join(f"{sv}/{fv}" for sv, fv in per)
+            + f"; epochs 2-{epochs} {s}/{f} = {served_ratio[-1]:.3f}, wasted {wasted}"
+        )
+    checks = {r["check"] for r in rows}
+    if checks != {""}:
+        bad = [f"epoch {r['epoch'] + 1}: {r['check']}" for r in rows if r["check"] != "ok"]
+        print(
+            "              global order: "
+            + ("the same on every node, no entry lost" if not bad else "; ".join(bad))
+        )
+    print("              epoch time s (slowest rank) " + " ".join(f"{s:.1f}" for s in seconds))
+    if verbose:
+        for row in rows:
+            for k, node in enumerate(row["nodes"]):
+                moved_ = {c: v for c, v in node.items() if v}
+                print(f"              epoch {row['epoch'] + 1} node {k}: {moved_}")
+    return {
+        "hit": statistics.mean(hit[steady]),
+        "remote_over_bound": worst,
+        "served_over_fetched": min(served_ratio),
+    }
 
 
 def main() -> None:
@@ -319,7 +426,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--replay", type=float, default=1.0)
     ap.add_argument("--policy", default="shade", help="every mount's policy")
-    ap.add_argument("--prefetch", action="store_true", help="leave prefetching on")
+    ap.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="mount with --no-prefetch (prefetching is on by default, as for a new user)",
+    )
+    ap.add_argument(
+        "--keep-stats", type=Path, metavar="DIR", help="write each mount's final stats.json here"
+    )
+    ap.add_argument(
+        "--partitioned-only", action="store_true", help="skip the independent-caches run"
+    )
     ap.add_argument("--open-latency", type=float, default=2.0, help="slowfs ms per open")
     ap.add_argument("--bandwidth", type=float, default=200.0, help="slowfs MB/s")
     ap.add_argument("--order-only", action="store_true", help="time the order step only")
@@ -338,6 +456,7 @@ def main() -> None:
         "files built (once) under DIR, as bench_namespace builds it",
     )
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--verbose", action="store_true", help="every node's counters per epoch")
     args = ap.parse_args()
     if args.order_only:
         order_only(args.samples, args.nodes, args.ranks_per_node, args.repeats)
@@ -365,16 +484,19 @@ def main() -> None:
         slow = ["--open-latency", str(args.open_latency), "--bandwidth", str(args.bandwidth)]
         results = {}
         with slowfs_mounted(src, tmp / "remote", slow) as (remote, _):
-            for partitioned in (True, False):
+            for partitioned in (True, False)[: 1 if args.partitioned_only else 2]:
                 tag = "partitioned" if partitioned else "independent"
                 rows = run_job(args, tmp, remote, rels, ram, partitioned)
-                results[tag] = report(tag, rows, total, args.epochs)
+                results[tag] = report(tag, rows, total, args.epochs, args.verbose)
         f, r = args.fraction, args.replay
-        print(
-            f"bound: min(1, r*N*f) = {min(1.0, r * args.nodes * f):.2f} (partitioned), "
-            f"min(1, r*f) = {min(1.0, r * f):.2f} (independent); partitioned / independent = "
-            f"{results['partitioned'] / max(results['independent'], 1e-9):.2f}x"
+        line = (
+            f"hit-ratio bound: min(1, r*N*f) = {min(1.0, r * args.nodes * f):.2f} (partitioned), "
+            f"min(1, r*f) = {min(1.0, r * f):.2f} (independent)"
         )
+        if "independent" in results:
+            gain = results["partitioned"]["hit"] / max(results["independent"]["hit"], 1e-9)
+            line += f"; partitioned / independent = {gain:.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":
