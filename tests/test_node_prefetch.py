@@ -42,8 +42,7 @@ def test_a_node_plans_only_the_shares_its_own_ranks_read(tmp_path: Path) -> None
             msg = wire_nodes.encode_node_order(epoch, 5, 0, (11, 22), rank_node, bitmaps, N)
             await service.install_order(wire_nodes.decode_node_order(msg, N))
             shares = [
-                await service.order(wire.OrderRequest(epoch, rank, 4, seed=5))
-                for rank in range(4)
+                await service.order(wire.OrderRequest(epoch, rank, 4, seed=5)) for rank in range(4)
             ]
             assert sorted(np.concatenate(shares).tolist()) == list(range(N))
             names = sorted(pf.plans)

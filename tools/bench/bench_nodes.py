@@ -284,9 +284,9 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
 def _check_order(
     shares: list[list[int]], orders: list[np.ndarray], named: list[list[list[int]]]
 ) -> str:
-    """"ok" when every node installed one global order, every node's daemon names the
+    """Whether every node installed one global order, every node's daemon names the
     shares the ranks trained, and those hold each entry of the order (DistributedSampler's
-    padding aside); else what is wrong."""
+    padding aside): "ok", else what is wrong."""
     if not orders or any(not np.array_equal(o, orders[0]) for o in orders):
         return "the nodes installed different global orders"
     if any(view != shares for view in named):
