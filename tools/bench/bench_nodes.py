@@ -207,9 +207,37 @@ def _node_counters(mnt: str) -> dict[str, int]:
     return out
 
 
+def _read(path: str) -> None:
+    with open(path, "rb", buffering=0) as f:
+        # As a dataset larger than the page cache: the daemon sees the miss.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        f.read()
+
+
+def _read_batch(paths: list[str], idx: list[int]) -> np.ndarray:
+    for i in idx:
+        _read(paths[i])
+    return np.asarray(idx)
+
+
+class _Files:
+    """A map-style dataset of the files (a DataLoader's workers read them): the index."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> int:
+        _read(self.paths[i])
+        return i
+
+
 def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
 
     import shadefs.torch.sampler as sampler_mod
     from shadefs.torch import ShadeSampler
@@ -245,13 +273,18 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
             dist.all_gather_object(views, (order, installed[0], named))
             dist.barrier()
             t0 = time.perf_counter()
-            for start in range(0, len(order), 32):
-                idx = np.asarray(order[start : start + 32])
-                for i in idx:
-                    with open(paths[i], "rb", buffering=0) as f:
-                        # As a dataset larger than the page cache: the daemon sees the miss.
-                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                        f.read()
+            if cfg["workers"]:
+                # As a training job reads: DataLoader workers, each a batch ahead, their
+                # opens out of order around the sampler's position.
+                loader = DataLoader(_Files(paths), batch_size=32, sampler=order,
+                                    num_workers=cfg["workers"])  # fmt: skip
+                batches: Any = (np.asarray(b) for b in loader)
+            else:
+                batches = (
+                    _read_batch(paths, order[start : start + 32])
+                    for start in range(0, len(order), 32)
+                )
+            for idx in batches:
                 loss = ((idx * 7919) % 101 / 10.0).astype(np.float32)
                 sampler.record(torch.from_numpy(loss))
             elapsed = torch.tensor([time.perf_counter() - t0])
@@ -332,6 +365,7 @@ def run_job(args: argparse.Namespace, tmp: Path, remote: Path, rels: list[str], 
             "ranks_per_node": args.ranks_per_node,
             "replay": args.replay,
             "epochs": args.epochs,
+            "workers": args.loader_workers,
             "log": str(log),
         }
         world = args.nodes * args.ranks_per_node
@@ -425,6 +459,13 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.2, help="RAM per node / dataset")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--replay", type=float, default=1.0)
+    ap.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each rank reads through a DataLoader with K workers (0: in the rank, in order)",
+    )
     ap.add_argument("--policy", default="shade", help="every mount's policy")
     ap.add_argument(
         "--no-prefetch",
