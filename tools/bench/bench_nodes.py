@@ -2,7 +2,8 @@
 independent caches, through N shadefs mounts over one emulated slow remote.
 
     python tools/bench/bench_nodes.py [--nodes 2] [--ranks-per-node 1] [--files 2000]
-        [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1]
+        [--size 20000] [--fraction 0.2] [--epochs 4] [--replay 1] [--loader-workers K]
+        [--no-prefetch] [--partitioned-only] [--verbose] [--keep-stats DIR]
     python tools/bench/bench_nodes.py --order-only [--samples 1281167] [--nodes 8] [--gloo]
         [--mount DIR]
 
@@ -10,7 +11,10 @@ Each "node" is a shadefs mount (policy `shade` unless --policy, RAM for `fractio
 bytes) over one slow-remote emulator (``python -m shadefs.demo.slowfs``: per-open latency
 and one shared bandwidth cap); the ranks are processes of a gloo world
 (torch.multiprocessing), each reading through its node's mount with ShadeSampler and
-reporting per-sample losses (a fixed synthetic difficulty per sample). Before the job, node
+reporting per-sample losses (a fixed synthetic difficulty per sample); with
+``--loader-workers K`` a rank reads its share through a DataLoader with K workers, as a
+training job does. The mounts prefetch, as a new user's do (``--no-prefetch``: not). Before
+the job, node
 k reads the k-th 1/N of the data, so the caches start out holding different files. Two runs
 over fresh mounts:
 
@@ -21,8 +25,13 @@ over fresh mounts:
   whatever it reads.
 
 Reported per run: the aggregate hit ratio per epoch (all mounts' hits over all opens) and
-over epochs 2..E, bytes the remote delivered per epoch (in datasets), and epoch times (the
-slowest rank; 2-core machines are CPU-bound, so compare the two runs, not absolute times).
+over epochs 2..E; the bytes the remote delivered per epoch (in datasets) against the bound
+(1 - aggregate hit) x data, which a node that fetched anything beyond its own ranks' misses
+would pass; per node, the prefetcher's opens served / files fetched (stats.json
+``prefetch``); a check that every node installed one global order, names the same shares
+for every rank and lost no entry of it; and epoch times (the slowest rank; 2-core machines
+are CPU-bound, so compare the two runs, not absolute times). ``--verbose`` adds every
+node's counters per epoch.
 
 ``--order-only`` instead times what one epoch's multi-node order costs at ImageNet scale,
 in process: packing every node's residency bitmap, the pickling an all-gather does,
