@@ -132,13 +132,10 @@ class Sampling:
         self._orders: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
         self._building: dict[tuple[str, int, int, int], trio.Event] = {}  # orders in flight
         self._generation = 0  # registrations so far: a build for an older one is dropped
-        # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share,
-        # and whether each rank reads through this node.
+        # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share.
         self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
-        self._here: dict[tuple[int, int, int], np.ndarray] = {}
-        # Shares handed out for ranks of other nodes (a rank's `order(epoch, r)`): never
-        # this node's reads, so never prefetched here (service.py).
-        self.orders_elsewhere = 0
+        self._here: dict[tuple[int, int, int], np.ndarray] = {}  # the ranks on this node
+        self.orders_elsewhere = 0  # shares asked for ranks on other nodes: not prefetched
         # (owner node of each sample, this node's index) once a multi-node job installed one.
         self.partition: tuple[np.ndarray, int] | None = None
         self._nodes = 0
@@ -397,15 +394,13 @@ class Sampling:
         self._shares[key] = shares
         self._here[key] = msg.rank_node == msg.me
         while len(self._shares) > _SHARES_KEPT:
-            old, _ = self._shares.popitem(last=False)
-            self._here.pop(old, None)
+            self._here.pop(self._shares.popitem(last=False)[0], None)
         return order
 
     def reads_here(self, request: wire.OrderRequest) -> bool:
-        """Whether the rank of `request` reads through this node: False only for a share
-        of an installed multi-node epoch that another node's rank trains (any rank may ask
-        its daemon for every rank's share; prefetching it here would fetch what this node
-        never reads)."""
+        """Whether the rank of `request` reads through this node: not when another node's
+        rank trains that share of an installed multi-node epoch (any rank may ask for every
+        rank's share; the service prefetches only the shares read here)."""
         here = self._here.get((request.epoch, request.seed, request.world_size))
         if here is None or bool(here[request.rank]):
             return True
