@@ -350,7 +350,8 @@ class Service:
                 request, self.cache.cached_keys, group, self._job_row(pid), members
             )
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
-        if self.prefetcher is not None and self.sampling.reads_here(request):
+        here = self.sampling.reads_here(request)  # (a share of another node's rank: no plan)
+        if self.prefetcher is not None and here:
             # The daemon now knows what this rank reads next: prefetch its misses. The
             # members of a sweep group share one plan, that of the member furthest ahead:
             # a member that asks for an earlier epoch's order leaves it in place.
