@@ -442,6 +442,16 @@ def report(
             + " ".join(f"{sv}/{fv}" for sv, fv in per)
             + f"; epochs 2-{epochs} {s}/{f} = {served_ratio[-1]:.3f}, dropped unread {wasted}"
         )
+        # Files from the source against this node's misses: above 1, the node fetched what
+        # its ranks did not read, or a file twice (hits count opens and the bound bytes, so
+        # remote / bound also moves with which sizes hit).
+        fetches = sum(r["nodes"][k]["source_fetches"] for r in rows[steady])
+        misses = sum(r["nodes"][k]["misses"] for r in rows[steady])
+        print(
+            f"              node {k}: source fetches / misses, epochs 2-{epochs} "
+            f"{fetches}/{misses} = {_ratio(fetches, misses):.3f}, refetches "
+            f"{sum(r['nodes'][k]['refetches'] for r in rows[steady])}"
+        )
     checks = {r["check"] for r in rows}
     if checks != {""}:
         bad = [f"epoch {r['epoch'] + 1}: {r['check']}" for r in rows if r["check"] != "ok"]
