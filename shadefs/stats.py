@@ -285,9 +285,7 @@ class SamplerStats:
     owned: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        d = _dump(self)
-        d["table"] = _dump(self.table) if self.table is not None else {}
-        return d
+        return {**_dump(self), "table": _dump(self.table) if self.table is not None else {}}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SamplerStats:
