@@ -351,10 +351,10 @@ class Service:
                 request, self.cache.cached_keys, group, self._job_row(pid), members
             )
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
-        if self.prefetcher is not None:
-            # The daemon now knows what this rank reads next: prefetch its misses. The
-            # members of a sweep group share one plan, that of the member furthest ahead:
-            # a member that asks for an earlier epoch's order leaves it in place.
+        if self.sampling.reads_here(request) and self.prefetcher is not None:
+            # This rank reads through this node, what it reads next is known: prefetch its
+            # misses. The members of a sweep group share one plan, the furthest ahead's: a
+            # member that asks for an earlier epoch's order leaves it in place.
             s = self.sampling
             seed = f"group={group}" if group else f"seed={request.seed}"
             name = f"order:{seed}:world={request.world_size}:rank={request.rank}"

@@ -237,6 +237,8 @@ class PrefetchStats:
     plans_done: int
     plans_abandoned: int
     kept: int = 0  # files the RAM tier let go that other jobs still read, staged for them
+    late: int = 0  # of `served`: opens that took a prefetch's bytes while it was in flight
+    unused: int = 0  # fetched files that landed when no plan read them any more
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)
@@ -278,17 +280,15 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
-    # Admissions refused for a sample a known order still reads (a full cache of such).
-    unbridged: int = 0
+    unbridged: int = 0  # admissions refused for a sample a known order still reads
+    orders_elsewhere: int = 0  # shares asked for ranks of other nodes (not prefetched)
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0
     node: int = -1
     owned: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        d = _dump(self)
-        d["table"] = _dump(self.table) if self.table is not None else {}
-        return d
+        return {**_dump(self), "table": _dump(self.table) if self.table is not None else {}}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SamplerStats:

@@ -221,8 +221,20 @@ def group_once(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
             f"{took:.1f} s, unbridged {s['sampler'].get('unbridged')}, "
             f"hit ratio {s['hit_ratio']:.3f}, staged at most {staged / 1e6:.1f} MB"
+            + _served_text(s.get("prefetch"))
         )
     print(f"{args.jobs} jobs / 1 job: source bytes {fetched[args.jobs] / fetched[1]:.2f}x")
+
+
+def _served_text(pf: dict[str, Any] | None) -> str:
+    """The prefetcher's opens served / files fetched (stats.json `prefetch`), if it ran."""
+    if not pf or not pf.get("fetched"):
+        return ""
+    dropped = pf["wasted"] + pf.get("unused", 0)
+    return (
+        f", prefetch served/fetched {pf['served']}/{pf['fetched']} = "
+        f"{pf['served'] / pf['fetched']:.2f} (dropped unread {dropped})"
+    )
 
 
 def main() -> None:
