@@ -5,11 +5,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc systemd attr diffutils findutils util-linux
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc patch systemd attr diffutils findutils util-linux
 
-.PHONY: setup system-deps demo test lint bench install clean
+.PHONY: setup system-deps demo test lint bench install clean pyfuse3
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.pyfuse3-no-open
 
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -28,14 +28,32 @@ $(VENV)/.installed: pyproject.toml constraints.txt | system-deps
 	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test]'
 	touch $@
 
+# pyfuse3 built from its pinned sdist with the project's patch (patches/pyfuse3-no-open.patch), for
+# --kernel-hits. `make pyfuse3` builds it again (e.g. after a pip install replaced it).
+$(VENV)/.pyfuse3-no-open: patches/pyfuse3-no-open.patch tools/install-pyfuse3.sh | $(VENV)/.installed
+	sh tools/install-pyfuse3.sh $(PY)
+	touch $@
+
+pyfuse3: | $(VENV)/.installed
+	sh tools/install-pyfuse3.sh $(PY)
+	touch $(VENV)/.pyfuse3-no-open
+
 demo: setup
 	$(VENV)/bin/shadefs demo
+
+# The mount tests that run a second time with every mount in kernel-hits mode (FUSE
+# no-open): identity and consistency, the randomised race, never reading outside SRC, the
+# control directory and the sampler's channel. (tests/test_kernel_hits_mount.py runs the
+# mode in the first pass too.)
+KERNEL_HITS_TESTS := tests/test_mount.py tests/test_identity_mount.py \
+	tests/test_identity_race_mount.py tests/test_security.py tests/test_sampler_mount.py
 
 test: setup
 	$(VENV)/bin/ruff check shadefs tests tools examples
 	$(VENV)/bin/ruff format --check shadefs tests tools examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
+	SHADEFS_TEST_KERNEL_HITS=on $(PY) -m pytest -q -p no:cacheprovider -m mount $(KERNEL_HITS_TESTS)
 
 # The benchmarks, listed in tools/README.md. `make bench` runs the quick ones; `make bench
 # LONG=1` adds those that take many minutes: bench_ssd_hits and bench_restore (both need

@@ -28,6 +28,7 @@ T = TypeVar("T")
 
 POLICIES = ("epoch", "lru", "shade", "belady")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+KERNEL_HITS_MODES = ("on", "off", "auto")
 
 # Words that belong to fstab, mount(8) or systemd, not to shadefs: `-o` ignores them, as
 # mount/mount.fuse.shadefs drops them (shadefs@.service passes -o without that helper).
@@ -179,6 +180,15 @@ INLINE_READS = Option(
     meaning="a small file that a local SRC has cached is read on the event loop, without a "
     "worker thread (NFS, FUSE and uncached files go to a thread)",
 )
+KERNEL_HITS = Option(
+    name="kernel_hits", default="off", parse=choice("kernel-hits mode", KERNEL_HITS_MODES),
+    choices=KERNEL_HITS_MODES, metavar="on|off|auto", shown="off",
+    help="let the kernel open files itself, so that a warm open never reaches the daemon "
+    "(needs the patched pyfuse3: make pyfuse3)",
+    meaning="FUSE no-open mode: the kernel opens files itself and serves the pages it holds; "
+    "the daemon sees only reads of pages the kernel lacks (README: Kernel hits). `auto`: on "
+    "where pyfuse3 supports it",
+)
 REVALIDATE = Option(
     name="revalidate", default=3600.0, parse=parse_float, metavar="S",
     help="seconds before a file is checked against SRC again", shown="3600",
@@ -254,8 +264,8 @@ SYSTEMD = Option(
 
 OPTIONS: tuple[Option[Any], ...] = (
     RAM, SSD, SSD_MIN_FREE, POLICY, MAX_ENTRY, BLOCK_SIZE, PASSTHROUGH_ABOVE, HANDLE_LIMIT,
-    SOURCE_TIMEOUT, SOURCE_THREADS, INLINE_READS, REVALIDATE, PREFETCH, SPECULATE, PREFETCH_WINDOW,
-    PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
+    SOURCE_TIMEOUT, SOURCE_THREADS, INLINE_READS, KERNEL_HITS, REVALIDATE, PREFETCH, SPECULATE,
+    PREFETCH_WINDOW, PREFETCH_WORKERS, PREFETCH_ABANDON, JOB_IDLE, METRICS,
     ALLOW_OTHER, LOG, LOG_LEVEL, FOREGROUND, SYSTEMD,
 )
 # fmt: on
@@ -282,6 +292,7 @@ class MountOptions:
     source_timeout: float = SOURCE_TIMEOUT.default
     source_threads: int = SOURCE_THREADS.default
     inline_reads: bool = INLINE_READS.default
+    kernel_hits: str = KERNEL_HITS.default
     revalidate: float = REVALIDATE.default
     ssd: str | None = SSD.default
     ssd_size: int | None = None  # the SIZE of --ssd DIR:SIZE

@@ -35,6 +35,7 @@ from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
+from shadefs.fs import kernel_hits
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
 from shadefs.ops.looplag import LoopLag
@@ -118,10 +119,10 @@ class Service:
             passthrough_above=opts.passthrough_above,
         )
         self.loop_lag = LoopLag()
-        self.control = Control(self, self.stats, self.metrics)
-        self.operations = Operations(
-            self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks
-        )
+        self.kernel_hits = kernel_hits.resolve(opts.kernel_hits)
+        self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
+        parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
+        self.operations = Operations(*parts, kernel_hits=self.kernel_hits)
 
     @staticmethod
     def _ssd_store(opts: MountOptions) -> SsdStore:
@@ -350,10 +351,10 @@ class Service:
                 request, self.cache.cached_keys, group, self._job_row(pid), members
             )
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
-        if self.prefetcher is not None:
-            # The daemon now knows what this rank reads next: prefetch its misses. The
-            # members of a sweep group share one plan, that of the member furthest ahead:
-            # a member that asks for an earlier epoch's order leaves it in place.
+        if self.sampling.reads_here(request) and self.prefetcher is not None:
+            # This rank reads through this node, what it reads next is known: prefetch its
+            # misses. The members of a sweep group share one plan, the furthest ahead's: a
+            # member that asks for an earlier epoch's order leaves it in place.
             s = self.sampling
             seed = f"group={group}" if group else f"seed={request.seed}"
             name = f"order:{seed}:world={request.world_size}:rank={request.rank}"

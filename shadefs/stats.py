@@ -6,8 +6,8 @@ its own section (`SourceStats`, `NamespaceStats`, `CacheStats` with the RAM tier
 `SamplerStats`), the service assembles them into one `Stats`: `to_json()` is `stats.json`
 (stable keys), `render_text()` the `stats` file; `ops.prom` and `ops.watch` read it too.
 
-It imports no part (the parts import it): the data flows one way. The hot path only
-increments plain int attributes of `Metrics` (no locks: all runs in the trio thread)."""
+It imports no part (the parts import it): the data flows one way. The hot path increments
+plain int attributes of `Metrics` (no locks: all runs in the trio thread)."""
 
 from __future__ import annotations
 
@@ -30,17 +30,16 @@ class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
     __slots__ = ("hits", "misses", "kernel_hits", "bytes_served", "passthrough_opens",
-                 "control_errors", "started", "requests")  # fmt: skip
+                 "control_errors", "started", "requests", "no_open")  # fmt: skip
 
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}  # FUSE requests by handler (fs/operations.py)
-        self.hits = 0
-        self.misses = 0
-        self.kernel_hits = 0
+        self.hits = self.misses = self.kernel_hits = 0  # (kernel_hits: see Counters)
         self.bytes_served = 0
         self.passthrough_opens = 0
         self.control_errors = 0
         self.started = time.time()
+        self.no_open = False  # kernel hits (fs/kernel_hits.py): see Counters
 
     def describe(self) -> Counters:
         return Counters(
@@ -51,6 +50,7 @@ class Metrics:
             passthrough_opens=self.passthrough_opens,
             control_errors=self.control_errors,
             requests=dict(sorted(self.requests.items())),
+            no_open=self.no_open,
         )
 
 
@@ -68,6 +68,7 @@ class Counters:
     control_errors: int
     requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
     kernel_hits: int = 0  # misses the kernel served from its own pages: nothing fetched
+    no_open: bool = False  # kernel hits: hits, misses: only reads of pages the kernel lacked
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,8 @@ class PrefetchStats:
     plans_done: int
     plans_abandoned: int
     kept: int = 0  # files the RAM tier let go that other jobs still read, staged for them
+    late: int = 0  # of `served`: opens that took a prefetch's bytes while it was in flight
+    unused: int = 0  # fetched files that landed when no plan read them any more
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)
@@ -281,17 +284,15 @@ class SamplerStats:
     reports: int
     last_report: dict[str, float]
     table: TableStats | None
-    # Admissions refused for a sample a known order still reads (a full cache of such).
-    unbridged: int = 0
+    unbridged: int = 0  # admissions refused for a sample a known order still reads
+    orders_elsewhere: int = 0  # shares asked for ranks of other nodes (not prefetched)
     # A job over several nodes (mounts): how many, this one's index, the samples it owns.
     nodes: int = 0
     node: int = -1
     owned: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        d = _dump(self)
-        d["table"] = _dump(self.table) if self.table is not None else {}
-        return d
+        return {**_dump(self), "table": _dump(self.table) if self.table is not None else {}}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SamplerStats:
@@ -339,10 +340,8 @@ class Stats:
         return self.counters.hits + self.counters.misses
 
     @property
-    def hit_ratio(self) -> float:
-        """Opens served without a fetch from the source: the tiers' hits and the kernel's."""
-        c = self.counters
-        return (c.hits + c.kernel_hits) / self.opens if self.opens else 0.0
+    def hit_ratio(self) -> float:  # opens served without a fetch: tier hits and kernel hits
+        return (self.counters.hits + self.counters.kernel_hits) / self.opens if self.opens else 0.0
 
     @property
     def files_cached(self) -> int:

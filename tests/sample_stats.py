@@ -111,6 +111,7 @@ def full(**top: Any) -> Stats:
             nodes=2,
             node=1,
             owned=49,
+            orders_elsewhere=3,
         ),
         prefetch=PrefetchStats(
             plans=1,
@@ -130,6 +131,8 @@ def full(**top: Any) -> Stats:
             plans_done=3,
             plans_abandoned=1,
             kept=6,
+            late=4,
+            unused=1,
         ),
         jobs=(JobStats("pid:4242", "sweep", 3, 12, 4, 160000, 1.5, 1.7e9),),
         blocks=BlockStats(

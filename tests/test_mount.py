@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_fuse, shadefs_cmd
+from tests.conftest import KERNEL_HITS, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
 
@@ -66,7 +66,13 @@ def test_mirror_is_exact(awkward_tree: Path, mounter) -> None:
     assert os.readlink(m.mnt / "dangling") == "does/not/exist"
     stats = m.stats()
     assert stats["ram_bytes"] <= stats["ram_capacity"] == 1 << 20
-    assert stats["hits"] > 0
+    if KERNEL_HITS:
+        # The kernel served the later passes from its pages, without asking the daemon:
+        # no hit to count, and the source read once.
+        tree = sum(p.stat().st_size for p in awkward_tree.rglob("*") if p.is_file())
+        assert stats["no_open"] and stats["bytes_from_source"] <= tree
+    else:
+        assert stats["hits"] > 0
 
 
 def test_read_only_and_hidden_control_dir(awkward_tree: Path, mounter) -> None:
@@ -85,6 +91,11 @@ def test_read_only_and_hidden_control_dir(awkward_tree: Path, mounter) -> None:
     ):
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode != 0, cmd
+        if KERNEL_HITS and cmd[0] == "sh":
+            # The kernel opens the file for writing without asking the daemon: the write
+            # fails with EROFS, which the kernel reports at the shell's close as EIO.
+            assert "Read-only file system" in res.stderr or "I/O error" in res.stderr
+            continue
         assert "Read-only file system" in res.stderr, (cmd, res.stderr)
     listing = subprocess.run(["ls", "-a", mnt], capture_output=True, check=True).stdout
     names = listing.split(b"\n")

@@ -617,3 +617,48 @@ def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take
     pf.holds.hold(4, 2, 0.0)  # a sweep group's member behind the fastest will still open 4
     pf.add_plan(_plan("a", [2, 3]))  # the next version of plan a reads 1 and 4 no more
     assert set(pf.staged) == {2, 3, 4, 9} and pf.wasted == 1 and pf.staged_bytes == 12
+
+
+def test_a_reader_that_takes_a_prefetch_in_flight_is_served_late() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.05)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("a", [2, 3], size=1000))
+            await trio.sleep(0.01)
+            assert set(pf._inflight) == {2, 3}
+            await cache.open(2, b"p2", source.stat(2))  # joins the flight of 2
+            await trio.sleep(0.2)
+            await cache.open(3, b"p3", source.stat(3))  # staged by then
+            nursery.cancel_scope.cancel()
+        # Both reads were the prefetch's: one late (its bytes from the flight), one staged.
+        assert (pf.fetched, pf.served, pf.late, pf.unused, pf.wasted) == (2, 2, 1, 0, 0)
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_replaced_order_fetches_each_file_once_and_counts_what_landed_unread() -> None:
+    async def run() -> None:
+        source = _CountingSource(delay=0.05)
+        cache = _cache(source)
+        pf = cache.prefetcher
+        assert pf is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            pf.add_plan(_plan("order:rank=0", [1, 2, 3], size=1000))
+            await trio.sleep(0.01)
+            assert set(pf._inflight) == {1, 2, 3}
+            # The next epoch's order (or a replaced one) while those are in flight: it
+            # reads 3 and 1 again, and 4; 2 no more.
+            pf.add_plan(_plan("order:rank=0", [3, 4, 1], size=1000))
+            await trio.sleep(0.5)
+            nursery.cancel_scope.cancel()
+        # Nothing crossed the link twice: 3 and 1 landed for the new order and were kept.
+        assert sorted(source.fetches) == [b"p1", b"p2", b"p3", b"p4"]
+        assert set(pf.staged) == {1, 3, 4}
+        assert (pf.fetched, pf.unused, pf.wasted) == (4, 1, 0)
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))

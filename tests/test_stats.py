@@ -29,6 +29,7 @@ TOP = {
     "source_errors", "source_inline_reads", "control_errors", "sampler", "jobs", "source_fetches",
     "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
     "kernel_hits", "source_threads_busy", "source_threads_stuck", "source_queue_timeouts",
+    "no_open",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
 RAM = {"bytes", "capacity", "entries", "hits"}
@@ -41,7 +42,7 @@ RESTORE = {"done", "entries", "seconds"}
 PREFETCH = {
     "plans", "plan_positions", "fetched", "fetched_bytes", "served", "wasted", "errors",
     "skipped", "staged", "staged_bytes", "inflight", "workers_target", "latency_ms", "window",
-    "plans_done", "plans_abandoned", "kept",
+    "plans_done", "plans_abandoned", "kept", "late", "unused",
 }  # fmt: skip
 BLOCKS = {
     "block_size", "threshold", "passthrough_above", "opens", "hits", "ssd_loads", "source_loads",
@@ -50,7 +51,7 @@ BLOCKS = {
 }  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",
-    "last_report", "table", "nodes", "node", "owned", "unbridged",
+    "last_report", "table", "nodes", "node", "owned", "unbridged", "orders_elsewhere",
 }  # fmt: skip
 TABLE = {
     "samples", "scored", "scored_fraction", "mean_score", "mean_score_scored", "max_seen",

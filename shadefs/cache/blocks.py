@@ -27,14 +27,13 @@ policy did not admit waits in its handle (`staged`) until the reader takes it; s
 bytes and kept extents count against the window, so read-ahead never holds more than it.
 
 Revalidation: each block-cached file's signature is remembered; an open that sees another
-signature, or a new version under another key (`retire`), drops every block of the file in
-both tiers. Policies see a block like any entry: `epoch` consumes a shard's blocks as its
-reader takes them (one access per block per handle: twice would look like a new epoch);
+signature (at the path too: `open` answers None), or a new version under another key
+(`retire`), drops every block of the file in both tiers. Policies see a block like any
+entry: `epoch` consumes a shard's blocks as its reader takes them (once per handle);
 `lru` and `belady` order blocks; `shade` ranks a block by its file's importance.
 
 Concurrency: all in the trio thread but the source reads; state is re-read after each await.
-A descriptor is closed once no read of it is in flight (`BlockHandle.users`).
-"""
+A descriptor is closed once no read of it is in flight (`BlockHandle.users`)."""
 
 from __future__ import annotations
 
@@ -160,7 +159,7 @@ class Blocks:
 
     # --- open / release ---------------------------------------------------------------
 
-    async def open(self, key: int, path: bytes, st: StatLike) -> tuple[BlockHandle, bool]:
+    async def open(self, key: int, path: bytes, st: StatLike) -> tuple[BlockHandle, bool] | None:
         """A handle on the file, and whether every block is resident in RAM (keep_cache)."""
         sig = Signature.of(st)
         old = self._sigs.get(key)
@@ -177,10 +176,12 @@ class Blocks:
                 resident = False
                 break
         if not resident:
-            # Opened now, like a pass-through handle: the handle reads the file it opened,
-            # whatever is renamed or swapped in at its path later.
-            h.fd = await self.source.open_fd(path)
-            return h, False
+            # Opened now (`st`'s version), like a pass-through handle: it reads what it opened.
+            h.fd, now = await self.source.open_file(path)
+            if Signature.of(now) == sig:
+                return h, False
+            await self.source.close_fd(h.fd)
+            return None
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).
         h.counted = True

@@ -240,8 +240,9 @@ class Cache(Hits):
     async def _fetch(self, key: int, path: bytes, st: StatLike) -> Entry:
         flight = self._flights.get(key)
         if flight is not None:
-            # Someone is already fetching this file: wait for their bytes.
-            self.shared_fetches += 1
+            self.shared_fetches += 1  # someone is fetching this file: wait for their bytes
+            if flight.ahead and self.prefetcher is not None:
+                self.prefetcher.joined(key)  # the prefetch serves this open, late
             try:
                 data = await flight.result()
             except pyfuse3.FUSEError:
@@ -251,8 +252,7 @@ class Cache(Hits):
                 return await self._fetch(key, path, st)
             assert flight.sig is not None
             if flight.ahead and flight.clean and flight.sig.ino == st.st_ino:
-                # The prefetcher got it just in time: from here on it is an ordinary miss.
-                if self.prefetcher is not None:
+                if self.prefetcher is not None:  # just in time: now an ordinary miss
                     self.prefetcher.take(key, flight.sig)
                 self._adopt(key, path, data, flight.sig)
             return Entry(data, flight.sig)

@@ -27,7 +27,7 @@ from shadefs.common import (
     parse_float,
     parse_int,
 )
-from shadefs.options import argtype
+from shadefs.options import KERNEL_HITS_MODES, argtype
 from shadefs.torch.client import ControlClient, read_stats
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dataset", help="an ImageFolder tree to use instead of the bundled one")
     d.add_argument("--epochs", type=argtype(parse_int), default=5)
     d.add_argument("--workdir", help="where to put the dataset and mounts (default: a temp dir)")
+    d.add_argument(
+        "--kernel-hits",
+        choices=KERNEL_HITS_MODES,
+        default="off",
+        help="mount shadefs with --kernel-hits (FUSE no-open; default off)",
+    )
     return p
 
 

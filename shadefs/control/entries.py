@@ -15,6 +15,10 @@ NAME = b".shadefs"
 DIR_INODE = 2
 # Control file handles are numbered from here, far above the data path's.
 FH_BASE = 1 << 62
+# Under kernel hits (no-open mode), every lookup of a control file makes a node of its own,
+# numbered from here, above every data inode (fs/inode_numbers.py: below 2**63): the node
+# is the open file (files.py, "Sessions").
+SESSION_BASE = 1 << 63
 
 
 @dataclass(frozen=True)

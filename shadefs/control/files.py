@@ -13,7 +13,18 @@ docs/control-protocol.md is the contract for every entry; in short:
 
 This module serves the inodes and the open handles: attributes, permissions, reads, and
 writes dispatched to commands.py or channel.py. Control files use direct_io, so every read
-reaches the daemon and their reported size (0) does not matter. Anything malformed fails
+reaches the daemon and their reported size (0) does not matter.
+
+Sessions (under kernel hits, fs/kernel_hits.py): the kernel then opens every regular file
+itself and never says when it closes one, and no `direct_io` can be asked for. So each
+lookup of a control file makes a node of its own (numbered from SESSION_BASE, entry and
+attribute timeouts 0, so that every path walk looks up anew): the node is the open file,
+made with the looking-up process's pid and uid, and ended when the kernel forgets it. Its
+reported size bounds what the kernel reads: the content rendered at the lookup, or what a
+response holds after a request was written. A file's pages then never outlive its one open.
+No close is ever seen, so a `plan` written since is installed before the next read the
+daemon serves or the next lookup of a control file (`install_plans`), and again if more
+is written. Anything malformed fails
 the write with EINVAL (a ctl write over the size limit with EFBIG), leaves the state
 untouched and poisons the handle of a stream, so that a client retrying a short write sees
 the error too. Control parses and dispatches only: the daemon's service object, seen
@@ -27,9 +38,10 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyfuse3
+from pyfuse3 import InodeT
 
 from shadefs.control import commands
 from shadefs.control.channel import Channel, dataset_summary
@@ -44,6 +56,8 @@ from shadefs.control.entries import (
     FH_BASE,
     FILES,
     METRICS,
+    PLAN,
+    SESSION_BASE,
     STATS,
     STATS_JSON,
     Handle,
@@ -73,6 +87,7 @@ class Control:
         *,
         uid: int | None = None,
         gid: int | None = None,
+        sessions: bool = False,
     ) -> None:
         self.service = service
         self.stats = stats
@@ -83,40 +98,85 @@ class Control:
         self.last_result = "none yet"
         self._handles: dict[int, Handle] = {}
         self._next_fh = FH_BASE
+        self.sessions = sessions  # a node per lookup (module doc, "Sessions")
+        self._next_session = SESSION_BASE
+        self.pending_plans: set[int] = set()  # sessions whose plan grew since installed
 
     # --- namespace --------------------------------------------------------------------
 
     @staticmethod
     def owns(ino: int) -> bool:
-        return ino == DIR_INODE or ino in BY_INO
+        return ino == DIR_INODE or ino in BY_INO or ino >= SESSION_BASE
 
     def attrs(self, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
+        handle = self._handles.get(ino) if ino >= SESSION_BASE else None
         if ino == DIR_INODE:
             a.st_mode = stat.S_IFDIR | 0o700
             a.st_nlink = 2
-        else:
+        elif handle is not None:
+            a.st_mode = handle.spec.mode
+            a.st_nlink = 1
+        elif ino in BY_INO:
             a.st_mode = BY_INO[ino].mode
             a.st_nlink = 1
+        else:  # a session the kernel forgot
+            raise pyfuse3.FUSEError(errno.ESTALE)
         a.st_uid = self.uid
         a.st_gid = self.gid
-        a.st_size = 0
+        # A session's size bounds the kernel's reads (module doc): its content, or after a
+        # request the offsets its response is read at (`read`).
+        a.st_size = 0 if handle is None else handle.written + len(handle.data)
         a.st_blksize = 4096
         now = int(self.metrics.started * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = now
-        # Short timeouts: nothing is cached about control entries for long.
-        a.entry_timeout = 1.0
-        a.attr_timeout = 1.0
+        if handle is not None:
+            # Each response a new mtime: the kernel drops the pages it kept of the request.
+            a.st_mtime_ns = a.st_ctime_ns = now + handle.written
+        # Short timeouts: nothing is cached about control entries for long; under kernel
+        # hits nothing at all, so that every open looks up a session of its own.
+        a.entry_timeout = a.attr_timeout = 0.0 if self.sessions else 1.0
         return a
 
-    def lookup(self, parent: int, name: bytes) -> pyfuse3.EntryAttributes:
+    def lookup(
+        self, parent: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         if parent == DIR_INODE:
             spec = BY_NAME.get(name)
             if spec is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
+            if self.sessions:
+                self.install_plans()
+                return self.attrs(self._session(spec, ctx))
             return self.attrs(spec.ino)
         return self.attrs(DIR_INODE)
+
+    def _session(self, spec: Spec, ctx: pyfuse3.RequestContext) -> int:
+        """A node for one open of `spec` by the process looking it up (module doc)."""
+        self.check_access(ctx)
+        ino = self._next_session
+        self._next_session += 1
+        self._handles[ino] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
+        return ino
+
+    def install_plans(self) -> None:
+        """Install the plans written to sessions since they were last installed (module
+        doc: under kernel hits no close is seen); each replaces its writer's last plan."""
+        for ino in self.pending_plans:
+            handle = self._handles.get(ino)
+            if handle is not None:
+                self.channel.release(handle)
+        self.pending_plans.clear()
+
+    def forget(self, inodes: Sequence[tuple[InodeT, int]]) -> Sequence[tuple[InodeT, int]]:
+        """End the sessions among `inodes` that the kernel forgot; the others."""
+        rest = [(ino, n) for ino, n in inodes if ino < SESSION_BASE]
+        if len(rest) < len(inodes):
+            for ino, _ in inodes:
+                if ino >= SESSION_BASE:
+                    self.release(ino)
+        return rest
 
     def listing(self) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
         return [(s.name, self.attrs(s.ino)) for s in FILES]
@@ -129,6 +189,10 @@ class Control:
 
     def owns_handle(self, fh: int) -> bool:
         return fh >= FH_BASE
+
+    def holds(self, fh: int) -> bool:
+        """Whether `fh` is an open control file (a handle, or a session's node)."""
+        return fh in self._handles
 
     def open(self, ino: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self.check_access(ctx)
@@ -162,7 +226,9 @@ class Control:
         return bytearray()
 
     def read(self, fh: int, off: int, size: int) -> bytes:
-        handle = self._handles[fh]
+        handle = self._handles.get(fh)
+        if handle is None:  # (under kernel hits: a node that is not a session's)
+            raise pyfuse3.FUSEError(errno.EIO)
         if handle.base is None:
             # A transaction file answers from the start of its response whether the client
             # seeks back to 0 after writing its request or reads straight on from there.
@@ -171,7 +237,9 @@ class Control:
         return bytes(handle.data[start : start + size]) if start >= 0 else b""
 
     async def write(self, fh: int, buf: bytes) -> int:
-        handle = self._handles[fh]
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
         handle.written += len(buf)
         if handle.poisoned:
             # Keep the first error in last_result: that is the one the client must see.
@@ -193,6 +261,8 @@ class Control:
                 result = await self.channel.write(handle, buf)
                 if result is not None:
                     self.last_result = result
+                if self.sessions and handle.spec is PLAN:
+                    self.pending_plans.add(fh)
             else:
                 raise pyfuse3.FUSEError(errno.EBADF)
         except (CommandError, Rejected, wire.WireError) as exc:
@@ -211,5 +281,9 @@ class Control:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
-        if handle is not None and handle.spec is not CTL:
-            self.channel.release(handle)
+        if handle is None or handle.spec is CTL:
+            return
+        if self.sessions and handle.spec is PLAN and fh not in self.pending_plans:
+            return  # (installed already: install_plans)
+        self.pending_plans.discard(fh)
+        self.channel.release(handle)

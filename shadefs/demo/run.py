@@ -313,7 +313,8 @@ def _run(
             train_dir = source / train_rel
         else:
             mnt = workdir / f"mnt-{spec.key}"
-            opts = ("--ram", str(ram), "--policy", spec.policy)
+            kernel_hits = getattr(args, "kernel_hits", "off")
+            opts = ("--ram", str(ram), "--policy", spec.policy, "--kernel-hits", kernel_hits)
             _mount_shadefs(mounts, source, mnt, log_dir, *opts)
             train_dir = mnt / train_rel
         print(f"{spec.label}:", flush=True)

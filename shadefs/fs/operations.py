@@ -38,6 +38,7 @@ from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import PUSH_MAX, push_pages
+from shadefs.fs.kernel_hits import KERNEL_PID, KernelContext
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -59,6 +60,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 # page-cache drop between epochs) and would send READs for the reopens. A read on its own
 # (one file's pages aged out, as a page-out daemon does now and then) pushes nothing.
 _REPUSH = 64
+# Under kernel hits: files whose handle is kept between their READs (`_read_node`), at most.
+_PARTIAL = 64
 
 
 @guard_handlers
@@ -76,8 +79,12 @@ class Operations(ReadOnly):
         metrics: Metrics,
         source: Source,
         blocks: Blocks | None = None,
+        kernel_hits: bool = False,
     ) -> None:
         super().__init__()
+        # FUSE no-open mode (fs/kernel_hits.py): every open answers ENOSYS, and a read's
+        # `fh` is its inode.
+        self.kernel_hits = metrics.no_open = kernel_hits
         self.blocks = blocks
         self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
@@ -93,6 +100,7 @@ class Operations(ReadOnly):
         self._inode_of: dict[FileHandleT, int] = {}  # the inode of each data handle
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
+        self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
@@ -110,13 +118,17 @@ class Operations(ReadOnly):
         self, parent_inode: InodeT, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         if parent_inode == ROOT_INODE and name == NAME or Control.owns(parent_inode):
-            return self.control.lookup(parent_inode, name)
+            return self.control.lookup(parent_inode, name, ctx)
         ino, st = await self.ns.lookup(parent_inode, name)
         if self.ns.retired:
             await self._drop_retired()
         return self.ns.attrs(ino, st)
 
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
+        if self.control.sessions:  # an open control file ends when the kernel forgets it
+            inode_list = self.control.forget(inode_list)
+            for ino, _ in inode_list:
+                await self._let_go(ino)
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
         for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
@@ -209,7 +221,7 @@ class Operations(ReadOnly):
         record goes with it). The node's check must not be due, and the file still RAM's to
         serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
-        if rec is None or flags & _WRITE_FLAGS:
+        if rec is None or flags & _WRITE_FLAGS or self.kernel_hits:
             return PASS
         # (The record's fields by index, its entry untouched: each object read is a likely
         # cache miss on a warm open, where the kernel and the readers ran in between.)
@@ -235,6 +247,13 @@ class Operations(ReadOnly):
     async def open(
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
+        if self.kernel_hits:
+            # No-open mode from here on (fs/kernel_hits.py): the kernel answers this open
+            # itself, and every later one without asking. What an open would do here, its
+            # first read does (`_read_node`).
+            raise pyfuse3.FUSEError(errno.ENOSYS)
+        if Control.owns(inode):
+            return self.control.open(inode, flags, ctx)
         # Source descriptors this open takes count against the opener (source.py).
         token = OPENER.set(ctx.uid)
         try:
@@ -243,10 +262,8 @@ class Operations(ReadOnly):
             OPENER.reset(token)
 
     async def _open(
-        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
+        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext | KernelContext
     ) -> pyfuse3.FileInfo:
-        if Control.owns(inode):
-            return self.control.open(inode, flags, ctx)
         if flags & _WRITE_FLAGS:
             raise erofs()
         st, path, checked = self.ns.opening(inode)
@@ -256,9 +273,17 @@ class Operations(ReadOnly):
         due = time.monotonic() - checked >= self.ns.revalidate
         if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
             raise await self._retire(inode)
-        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py).
+        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
+        # for a no-open read: the kernel asks because it lacks the pages.
         seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
-        lazy = seen and self.deferrals.kernel.worth_deferring()
+        if self.kernel_hits:
+            # A READ: the kernel lacks the pages. Of a file it was thought to hold, it says
+            # the kernel's pages are being reclaimed (speculation stages such files again).
+            if seen:
+                self.deferrals.kernel.served(False)
+            seen = lazy = False
+        else:
+            lazy = seen and self.deferrals.kernel.worth_deferring()
         sig = Signature.of(st)  # the version looked up: what every check below compares to
         for _ in range(2):
             if st.st_size > self.cache.ram_max:  # the one added test on the hit path
@@ -296,7 +321,8 @@ class Operations(ReadOnly):
         resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
         if resident is not None and resident.data is entry.data and changes == self.ns.changes:
             self._verify(inode, resident, sig, path, checked)
-        push = not seen or fh - self._push_fh <= _REPUSH
+        # (Not while answering a no-open read: the kernel holds the pages it reads locked.)
+        push = not self.kernel_hits and (not seen or fh - self._push_fh <= _REPUSH)
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
         # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
@@ -356,13 +382,81 @@ class Operations(ReadOnly):
         self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
     ) -> pyfuse3.FileInfo:
         """A large file, cached in blocks (cache/blocks.py)."""
-        handle, resident = await blocks.open(inode, path, st)
+        got = await blocks.open(inode, path, st)
+        if got is None:  # another version at the path: the node is retired (`_open_through`)
+            if await self.ns.fresh_stat(inode, force=True):
+                raise await self._retire(inode)
+            raise pyfuse3.FUSEError(errno.EIO)
+        handle, resident = got
         self._blk[fh := self._handle(inode)] = handle
         # Only a file whose every block is resident may keep the kernel's pages: otherwise
         # they could outlive a change that this open has just revalidated.
         return pyfuse3.FileInfo(fh=fh, keep_cache=resident)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
+        if self.kernel_hits:
+            return await self._read_node(fh, off, size)
+        return await self._read(fh, off, size)
+
+    async def _read_node(self, inode: InodeT, off: int, size: int) -> bytes:
+        """A READ under no-open, which names the inode (fs/kernel_hits.py): the kernel lacks
+        these pages. A resident file whose version an earlier read verified (the record the
+        hit path reads) is served at once; anything else is opened as an open would be,
+        read, and let go. A read at offset 0 counts as the file's open: the kernel serves
+        the pages it holds without asking, so a read that starts there is a reader's first
+        look at a file it lacks."""
+        if Control.owns(inode):
+            return self.control.read(inode, off, size)
+        if self.control.pending_plans:  # (no close is seen: control/files.py, Sessions)
+            self.control.install_plans()
+        rec = self._verified.get(inode)
+        if rec is not None:
+            data = rec[3]
+            cache = self.cache
+            if time.monotonic() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
+                if not off:
+                    cache.hit(inode, data, KERNEL_PID, rec[2])
+                    self._unpin(data)  # (`hit` pins for a handle; this read holds none)
+                chunk = cast(bytes, memoryview(data)[off : off + size])
+                self.metrics.bytes_served += len(chunk)
+                return chunk
+        # A file the kernel reads in several READs (some at once: its read-ahead) keeps the
+        # handle that the first opened (`_partial`: [handle, READs using it, whether one
+        # reached the end]): its bytes are fetched once, whether or not the cache admitted
+        # them, and a large file's source descriptor is opened once. A handle is let go when
+        # no READ uses it, once a READ reached the file's end, or as the oldest idle one
+        # past _PARTIAL.
+        got = self._partial.get(inode)
+        if got is None:
+            fh = (await self._open(inode, os.O_RDONLY, KernelContext())).fh
+            got = self._partial.setdefault(inode, [fh, 0, 0])
+            if got[0] != fh:
+                await self._release(fh)  # (another READ of it opened first)
+            elif len(self._partial) > _PARTIAL:
+                await self._let_go(next((i for i, g in self._partial.items() if not g[1]), -1))
+        got[1] += 1
+        try:
+            chunk = await self._read(got[0], off, size)
+        except BaseException:
+            got[1] -= 1
+            await self._let_go(inode, got)
+            raise
+        got[1] -= 1
+        if len(chunk) < size or off + size >= self.ns.stat(inode).st_size:
+            got[2] = 1  # read to its end
+        if got[2] or inode in self._verified:  # (verified: the next READs are served above)
+            await self._let_go(inode, got)
+        return chunk
+
+    async def _let_go(self, inode: int, got: list[int] | None = None) -> None:
+        """Release `inode`'s kept handle (`_read_node`) if no READ uses it (and it is
+        `got`, when given)."""
+        kept = self._partial.get(inode)
+        if kept is not None and not kept[1] and (got is None or kept is got):
+            del self._partial[inode]
+            await self._release(kept[0])
+
+    async def _read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         mv = self._mem.get(fh)
         if mv is not None:
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
@@ -402,6 +496,9 @@ class Operations(ReadOnly):
         return None
 
     async def release(self, fh: FileHandleT) -> None:
+        await self._release(fh)
+
+    async def _release(self, fh: FileHandleT) -> None:
         self._inode_of.pop(fh, None)
         mv = self._mem.pop(fh, None)
         if mv is not None:
@@ -421,7 +518,7 @@ class Operations(ReadOnly):
             self.control.release(fh)
 
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
-        if self.control.owns_handle(fh):
+        if self.control.holds(fh):
             return await self.control.write(fh, buf)
         raise erofs()
 

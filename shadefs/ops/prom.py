@@ -112,6 +112,12 @@ METRICS: tuple[Sample, ...] = (
         "kernel_hits",
         "Misses the kernel served from its own pages (deferred opens released unread)",
     ),
+    _g(
+        "counters.no_open",
+        "kernel_hits_mode",
+        "1 when the kernel opens files itself (--kernel-hits): hits and misses count only "
+        "the files whose pages the daemon served",
+    ),
     _g("hit_ratio", "hit_ratio", "Opens served without a fetch (tier and kernel hits) over opens"),
     _g("uptime_s", "uptime_seconds", "Seconds since the mount"),
     _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),
@@ -217,6 +223,8 @@ METRICS: tuple[Sample, ...] = (
     _c("prefetch.plans_done", "prefetch_plans_done", "Prefetch plans followed to the end"),
     _c("prefetch.plans_abandoned", "prefetch_plans_abandoned", "Plans whose reader stopped"),
     _c("prefetch.kept", "prefetch_kept", "Files let go by RAM, staged for jobs still to read"),
+    _c("prefetch.late", "prefetch_late", "Opens served by a prefetch still in flight"),
+    _c("prefetch.unused", "prefetch_unused", "Prefetched files no plan read when they landed"),
     _g("sampler.samples", "sampler_samples", "Samples in the registered dataset"),
     _g("sampler.epoch", "sampler_epoch", "Epoch the training job reported last"),
     _g("sampler.replay", "sampler_replay", "Replay factor r of the PADS order"),
@@ -228,6 +236,11 @@ METRICS: tuple[Sample, ...] = (
         "Admissions refused for samples a known order still reads",
     ),
     _c("sampler.reports", "sampler_reports", "End-of-epoch reports received"),
+    _c(
+        "sampler.orders_elsewhere",
+        "sampler_orders_elsewhere",
+        "Shares handed out for ranks of other nodes (not prefetched here)",
+    ),
     _g("sampler.nodes", "sampler_nodes", "Nodes of the multi-node job (0: none)"),
     _g("sampler.node", "sampler_node", "This node's index in the multi-node job (-1: none)"),
     _g("sampler.owned", "sampler_owned", "Samples this node owns in the multi-node job"),

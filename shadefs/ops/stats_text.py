@@ -15,7 +15,8 @@ def render_text(s: Stats) -> str:
         f"policy        {cache.policy.name}  "
         + " ".join(f"{k}={v}" for k, v in state.items() if k != "name"),
         f"opens         {s.opens}  hits {c.hits}  misses {c.misses} (of which kernel hits "
-        f"{c.kernel_hits})  hit ratio {s.hit_ratio:.3f}",
+        f"{c.kernel_hits})  hit ratio {s.hit_ratio:.3f}"
+        + ("  (kernel hits on: only the files the kernel asked for)" if c.no_open else ""),
         f"ram           {format_size(cache.ram.bytes)} of {format_size(cache.ram.capacity)} "
         f"in {s.files_cached} files (max entry {format_size(cache.max_entry)})",
         f"admissions    admitted {cache.admitted}  refused {cache.refused}  "

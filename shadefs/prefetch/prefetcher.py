@@ -26,24 +26,20 @@ Scheduling (Lobster):
   another plan reads it (one numpy pass per plan, run only when there are several).
 
 A sweep group's plan has several readers (`Plan.readers`: members reading one order at
-their own paces; the cursor follows the fastest). A file staged for it stays staged until
-that many opens of it were seen, so members behind find it even when the RAM policy did not
-keep it; the window bounds their drift, and such a file outlives the plan by at most
-`abandon_after` s. A file the RAM tier evicts or refuses that other jobs still open this
-epoch is staged for them too (`hold`): with several jobs in their own orders, a file cached
-when a speculative plan was made is often evicted before its job reads it.
+their own paces; the cursor follows the fastest). What is staged for it, and a file the RAM
+tier lets go while other jobs still open it this epoch (`hold`), stays staged for those
+opens (holds.py).
 
 Every byte fetched once: an entry its reader already opened is never fetched, a reader that
-opens a file being prefetched joins that flight, and a file a known order replays stays
-staged for its next read (within the window's reach of the plan, or anywhere while such
-replays hold at most a quarter of the window). A speculative plan (prefetch/speculate.py)
-is staged like any other, but the policies' `planned` and `next_use` ignore it (a guess).
-A plan ends when its reader reaches the end, is replaced, or is abandoned (no progress for
-`abandon_after` s); its staged leftovers are dropped (wasted). `start` runs the scheduler
-in the daemon's nursery until unmount. The cache hands it `fetch_ahead` (a fetch that
-shares single flight with readers and admits nothing; an SSD tier's entries are read from
-there) and `tier_of` (RAM: no staging; SSD: staged, up to 16 per batch whatever the
-source's pace), and nothing else of it.
+opens a file being prefetched joins that flight (`late`), and a file a known order replays
+stays staged for its next read (within the window's reach of the plan, or anywhere while
+such replays hold at most a quarter of the window). A speculative plan (speculate.py) is
+staged like any other, but the policies' `planned` and `next_use` ignore it (a guess). A
+plan ends when its reader reaches the end, is replaced, or is abandoned (no progress for
+`abandon_after` s): its staged leftovers are dropped (`wasted`), and so is what lands for
+it later (`unused`). The cache hands it `fetch_ahead` (a fetch that shares single flight
+with readers and admits nothing; an SSD tier's entries are read from there) and `tier_of`
+(RAM: no staging; SSD: staged, up to 16 per batch whatever the source's pace).
 """
 
 from __future__ import annotations
@@ -70,6 +66,7 @@ __all__ = ["Plan", "Prefetcher"]
 log = logging.getLogger(__name__)
 
 _Origin = tuple[Plan, int]  # the plan and position a fetched item was taken from
+_Landed = list[tuple[int, bytes, Signature]]  # fetched files: key, bytes, signature
 _Pick = tuple[Plan, int, int, int, int]  # the next file to fetch: plan, position, key, size, tier
 
 _EWMA = 0.2
@@ -77,6 +74,8 @@ _EWMA = 0.2
 _BATCH_SECONDS = 0.002
 _BATCH_FILES = 16
 _BATCH_BYTES = 4 << 20
+_COUNTERS = ("fetched", "fetched_bytes", "served", "wasted", "errors", "skipped", "plans_done",
+             "plans_abandoned", "kept", "late", "unused")  # fmt: skip
 
 
 class Prefetcher:
@@ -119,6 +118,8 @@ class Prefetcher:
         self.file_seconds = 0.0005  # the source's own seconds per file, EWMA
         self.fetched = self.fetched_bytes = self.served = self.wasted = 0  # counters
         self.errors = self.skipped = self.plans_done = self.plans_abandoned = self.kept = 0
+        self.late = self.unused = 0  # served from a flight; landed unread by any plan
+        self._joined: set[int] = set()  # keys in flight whose reader waits for the bytes
 
     # --- plans --------------------------------------------------------------------------
 
@@ -207,6 +208,11 @@ class Prefetcher:
             return None
         self.served += 1
         return data
+
+    def joined(self, key: int) -> None:
+        """A reader waits for the bytes of `key`'s prefetch in flight (`_stage` counts it)."""
+        if key in self._inflight:
+            self._joined.add(key)
 
     def hold(self, key: int, data: bytes, sig: Signature, wanted: int = 0) -> bool:
         """Keep bytes the cache let go staged for their reads to come (holds.py): a sweep
@@ -348,11 +354,13 @@ class Prefetcher:
                 del self._inflight[key]
                 self._inflight_bytes -= size
             self._wake.set()
+            joined = self._joined.intersection([key for key, _, _ in batch])
+            self._joined -= joined
         self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
         if seconds > 0:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
         # `_stage` asks the plans, never their planner: a fetch re-enters no planner.
-        landed: list[tuple[int, bytes, Signature]] = []
+        landed: _Landed = []
         froms: list[_Origin] = []
         for (key, path, _), one, origin in zip(batch, got, origins, strict=True):
             if isinstance(one, BaseException):
@@ -364,11 +372,12 @@ class Prefetcher:
                 self.fetched += 1
                 self.fetched_bytes += len(one[0])
         if landed:
-            self._stage(landed, froms)
+            self._stage(landed, froms, joined)
 
-    def _stage(self, landed: list[tuple[int, bytes, Signature]], origins: list[_Origin]) -> None:
+    def _stage(self, landed: _Landed, origins: list[_Origin], joined: set[int]) -> None:
         """Stage the fetched files that some plan still reads: the plan an item came from
-        is asked at its position, every other plan in one vectorised pass."""
+        is asked at its position, every other plan in one vectorised pass. `joined`: keys
+        whose reader waits for these bytes (served late, unless staged for a later read)."""
         plans = self.plans
         readers = [
             plan.readers if plans.get(plan.name) is plan and not plan.consumed(pos) else 0
@@ -385,7 +394,11 @@ class Prefetcher:
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
             if not n or key in self.staged or self._tier_of(key) == RAM:
-                # Read meanwhile (its reader shared the flight, or its plan ended).
+                if key in joined:  # its reader takes the bytes from the flight: served
+                    self.late += 1
+                    self.served += 1
+                else:  # no plan reads it any more (it ended or was replaced in flight)
+                    self.unused += 1
                 continue
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
@@ -427,19 +440,11 @@ class Prefetcher:
         return PrefetchStats(
             plans=len(self.plans),
             plan_positions={n: (p.cursor, len(p)) for n, p in self.plans.items()},
-            fetched=self.fetched,
-            fetched_bytes=self.fetched_bytes,
-            served=self.served,
-            wasted=self.wasted,
-            errors=self.errors,
-            skipped=self.skipped,
             staged=len(self.staged),
             staged_bytes=self.staged_bytes,
             inflight=len(self._inflight),
             workers_target=self.target_workers(),
             latency_ms=round(self.latency * 1000, 3),
             window=self.window,
-            plans_done=self.plans_done,
-            plans_abandoned=self.plans_abandoned,
-            kept=self.kept,
+            **{name: getattr(self, name) for name in _COUNTERS},
         )

@@ -134,6 +134,8 @@ class Sampling:
         self._generation = 0  # registrations so far: a build for an older one is dropped
         # A multi-node job's installed epochs: (epoch, seed, world) -> every rank's share.
         self._shares: OrderedDict[tuple[int, int, int], list[np.ndarray]] = OrderedDict()
+        self._here: dict[tuple[int, int, int], np.ndarray] = {}  # the ranks on this node
+        self.orders_elsewhere = 0  # shares asked for ranks on other nodes: not prefetched
         # (owner node of each sample, this node's index) once a multi-node job installed one.
         self.partition: tuple[np.ndarray, int] | None = None
         self._nodes = 0
@@ -167,6 +169,7 @@ class Sampling:
         self._generation += 1
         self._orders.clear()
         self._shares.clear()
+        self._here.clear()
         self.partition = None
         self.registered_at = time.time()
         log.info("registered a dataset of %d samples", len(paths))
@@ -387,10 +390,22 @@ class Sampling:
         self._nodes = len(msg.node_ids)
         self._owned = int(np.count_nonzero(owner == msg.me))
         self.pending.expect(msg.epoch, here, None, counts=counts)
-        self._shares[(msg.epoch, msg.seed, msg.world_size)] = shares
+        key = (msg.epoch, msg.seed, msg.world_size)
+        self._shares[key] = shares
+        self._here[key] = msg.rank_node == msg.me
         while len(self._shares) > _SHARES_KEPT:
-            self._shares.popitem(last=False)
+            self._here.pop(self._shares.popitem(last=False)[0], None)
         return order
+
+    def reads_here(self, request: wire.OrderRequest) -> bool:
+        """Whether the rank of `request` reads through this node: not when another node's
+        rank trains that share of an installed multi-node epoch (any rank may ask for every
+        rank's share; the service prefetches only the shares read here)."""
+        here = self._here.get((request.epoch, request.seed, request.world_size))
+        if here is None or bool(here[request.rank]):
+            return True
+        self.orders_elsewhere += 1
+        return False
 
     async def unowned(self, keys: list[int]) -> list[int] | None:
         """Those of `keys` (in their order) that another node owns, computed in a worker
@@ -424,6 +439,7 @@ class Sampling:
             last_report=dict(self.last_report),
             table=self.table.describe() if self.n else None,
             unbridged=self.pending.unbridged,
+            orders_elsewhere=self.orders_elsewhere,
             **self._partition_stats(),
         )
 

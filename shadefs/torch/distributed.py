@@ -75,8 +75,11 @@ def discover(mountpoint: str, rank: int, world: int) -> Nodes:
 
 def install_epoch(
     client: ControlClient, nodes: Nodes, epoch: int, seed: int, n: int, rank: int
-) -> None:
-    """Collective: make every node's daemon hold this epoch's shares of one global order."""
+) -> np.ndarray | None:
+    """Collective: make every node's daemon hold this epoch's shares of one global order.
+
+    Returns the global order this rank's daemon installed (rank 0's built it, every other
+    node's sender handed it the same), or None on the other ranks of a node."""
     sender = nodes.sender(rank)
     bitmap = None
     if sender:
@@ -100,11 +103,14 @@ def install_epoch(
             raise RuntimeError(f"bad node order from {client.mountpoint}: {exc}") from None
 
     box: list[Any] = [None]
+    installed = None
     if rank == 0:
         # int32 halves what the broadcast pickles and carries (10 MB at 1.28 M samples).
-        built = install(None)
-        box[0] = built.astype(np.int32) if n < 2**31 else built
+        installed = install(None)
+        box[0] = installed.astype(np.int32) if n < 2**31 else installed
     dist.broadcast_object_list(box, src=0)
     if sender and rank != 0:
-        install(np.asarray(box[0], dtype=np.int64))
+        installed = np.asarray(box[0], dtype=np.int64)
+        install(installed)  # (a node handed the order gets none back: channel.py)
     dist.barrier()  # no rank asks for its share before its daemon holds the epoch
+    return installed

@@ -62,11 +62,15 @@ from benchlib import (
 PERF = bool(os.environ.get("PERF"))
 SPY = os.environ.get("SPY_ARGS", "--gil").split()
 PROFILES: list[tuple[Path, Pass]] = []  # (py-spy output, its pass) with --profile
+WARM = ("floor", "floor-no-open", "shadefs", "kernel-hits")
 
-#: name -> extra mount options; "floor" is floorfs.py. Only the default config runs warm.
-CONFIGS: dict[str, tuple[str, ...] | None] = {
-    "floor": None,
-    "shadefs": (),
+#: name -> extra mount options; the floors are floorfs.py (with its own options). The floors
+#: and the two shadefs modes run warm too.
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "floor": (),
+    "floor-no-open": ("--no-open",),
+    "shadefs": ("--kernel-hits", "off"),
+    "kernel-hits": ("--kernel-hits", "on"),
     "no-speculate": ("--no-speculate",),
     "no-prefetch": ("--no-prefetch",),
     "no-inline": ("--no-inline-reads",),
@@ -207,8 +211,8 @@ def daemon(
 ) -> Iterator[tuple[int, Callable[[], Counter[str]]]]:
     """Mount config `name` on `mnt`; yields (the daemon's pid, its request counters)."""
     extra = CONFIGS[name]
-    if extra is None:
-        with slowfs_mounted(src, mnt, [], script=FLOORFS) as (_, pid):
+    if name.startswith("floor"):
+        with slowfs_mounted(src, mnt, extra, script=FLOORFS) as (_, pid):
             yield pid, floor_requests(mnt)
         return
     with mounted(src, mnt, "--ram", str(ram), *extra, *more):
@@ -257,7 +261,7 @@ def run_side_by_side(
 
 
 def _warm(name: str, args: argparse.Namespace) -> bool:
-    return bool(args.warm_all) or name in ("floor", "shadefs")
+    return bool(args.warm_all) or name in WARM
 
 
 def run_round(args: argparse.Namespace, src: Path, root: Path, rels: Sequence[str]) -> Results:
@@ -313,7 +317,8 @@ def report(rounds: Sequence[Results], files: int, readers: int) -> None:
         print(f"{len(rounds)} rounds, floor and shadefs side by side; shown: the median round")
     print(
         f"{'config':<14} {'pass':<5} {'us/open':>8} {'floor':>6} {'x floor':>8} {'trio':>6} "
-        f"{'files/s/core':>13} {'files/s wall':>13} {'MB/s':>10}  requests per sample"
+        f"{'files/s/core':>13} {'files/s wall':>13} {'wall x fl':>9} {'MB/s':>7}  "
+        "requests per sample"
     )
     for name in rounds[0]:
         for k, label in enumerate(("cold", "warm")):
@@ -330,18 +335,22 @@ def report(rounds: Sequence[Results], files: int, readers: int) -> None:
             p, base = runs[at]
             floor = f"{base.us_per_open:.0f}" if base else "-"
             ratio = f"{ratios[at]:.2f}" if base else "-"
+            # files/s against the floor's (with opens) in the same round
+            wall = f"{base.wall / base.opens * p.opens / p.wall:.2f}" if base else "-"
             spread = ""
             if base and len(runs) > 1 and name != "floor":
                 spread = " [" + " ".join(f"{r:.2f}" for r in ratios) + "]"
             print(
                 f"{name:<14} {label:<5} {p.us_per_open:>8.0f} {floor:>6} {ratio:>8} "
                 f"{p.trio_cpu / p.opens * 1e6:>6.0f} "
-                f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f} "
-                f"{p.nbytes / p.wall / 1e6:>10.0f}  {per_sample(p)}{spread}"
+                f"{p.files_per_core:>13.0f} {p.opens / p.wall:>13.0f} {wall:>9} "
+                f"{p.nbytes / p.wall / 1e6:>7.0f}  {per_sample(p)}{spread}"
             )
     print("floor: the floor's us/open in the same round; trio: us/open of the main thread (the")
     print("trio loop), the rest ran in worker threads. files/s wall depends on the machine's load;")
-    print("the CPU figures hardly do.")
+    print("the CPU figures hardly do. wall x fl: files/s over the floor's (with opens) in the same")
+    print("round. floor-no-open and kernel-hits: FUSE no-open mode (the kernel opens files itself;")
+    print("a warm open reaches the daemon only for pages the kernel lacks).")
     if len(rounds) > 1:
         print("[...]: x floor of every round, in order; the floor's line: its median round")
 

@@ -121,7 +121,7 @@ TARGET_EXCESS = 1.02  # remote bytes <= 1.02 x the bytes of the distinct files f
 # stats.json's prefetch counters (the other fields of that section are gauges)
 PREFETCH_COUNTERS = frozenset(
     ("fetched", "fetched_bytes", "served", "wasted", "errors", "skipped")
-    + ("plans_done", "plans_abandoned")
+    + ("plans_done", "plans_abandoned", "late", "unused")
 )
 
 
@@ -452,7 +452,10 @@ def print_results(results: list[Result], epochs: int) -> None:
         speed = _fmt(ta / t if ta and t else None, "5.2f")
         slow = _fmt(t / te if te and t else None, "5.2f")
         print(f"{name:<40} {times}  {t:7.2f} s  {speed:>5}  {slow:>5}")
-    print("\nper epoch, epochs 1/2/../E (pf served: opens served by prefetched files)")
+    print(
+        "\nper epoch, epochs 1/2/../E (pf served: opens served by prefetched files; under a"
+        " row, prefetch served/fetched over epochs 2..E)"
+    )
     cols = ("hit ratio", "blocked s", "pf served", "remote MB", "CPU of daemons s", "busy %")
     w = 5 * epochs + 3
     print("    " + " ".join(f"{c:<{w}}" for c in cols))
@@ -490,6 +493,16 @@ def print_results(results: list[Result], epochs: int) -> None:
             print(
                 f"    ({r.config.key}) WARNING: shadefs learned {renumbered} new inode numbers "
                 "after epoch 1: the source renumbered files, so cached entries were not found"
+            )
+        fetched = sum(x.prefetch.get("fetched", 0) for x in r.epochs[1:])
+        if fetched:
+            served = sum(x.prefetch.get("served", 0) for x in r.epochs[1:])
+            unused = sum(x.prefetch.get("wasted", 0) + x.prefetch.get("unused", 0)
+                         for x in r.epochs[1:])  # fmt: skip
+            print(
+                f"    ({r.config.key}) prefetch served/fetched epochs 2-{epochs} "
+                f"{served:.0f}/{fetched:.0f} = {served / fetched:.3f}, "
+                f"dropped unread {unused:.0f}"
             )
         windows = {x.prefetch["window"] for x in r.epochs if "window" in x.prefetch}
         if windows:
@@ -805,6 +818,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefetch-window", metavar="SIZE", help="for (d), (f) and (g); default: shadefs's"
     )
     g.add_argument("--log-dir", type=Path, help="keep the shadefs logs here (default: none)")
+    g.add_argument(
+        "--kernel-hits",
+        choices=("on", "off"),
+        default="off",
+        help="mount every shadefs configuration with --kernel-hits (FUSE no-open)",
+    )
     g = ap.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=3)
     g.add_argument("--workers", type=int, default=4)
@@ -843,6 +862,8 @@ def configs(
     # (b) is the unchanged job without any prefetching; (f) the same with speculation.
     no_speculate = ["--no-speculate"] if "--no-speculate" in help_text else []
     base = ["--ram", str(ram)]
+    if args.kernel_hits != "off":
+        base += ["--kernel-hits", args.kernel_hits]
     prefetch = ["--prefetch"] if "--prefetch" in help_text.replace("--prefetch-", "") else []
     if args.prefetch_window:
         prefetch += ["--prefetch-window", args.prefetch_window]

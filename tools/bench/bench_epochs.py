@@ -49,6 +49,13 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument(
+        "--kernel-hits",
+        choices=("on", "off"),
+        default="off",
+        help="mount with --kernel-hits (FUSE no-open; the reads still reach the daemon, as "
+        "each drops its file's pages first)",
+    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -63,9 +70,8 @@ def main() -> None:
         )
         result = {}
         for policy in ("epoch", "lru"):
-            with mounted(
-                src, Path(tmp) / f"mnt-{policy}", "--ram", str(ram), "--policy", policy
-            ) as m:
+            opts = ("--ram", str(ram), "--policy", policy, "--kernel-hits", args.kernel_hits)
+            with mounted(src, Path(tmp) / f"mnt-{policy}", *opts) as m:
                 ratios = run_epochs(m, rels, args.epochs, args.seed + 1)
                 s = stats(m)
                 assert s["ram_bytes"] <= s["ram_capacity"]

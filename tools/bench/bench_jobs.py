@@ -55,7 +55,8 @@ def reader(mnt: Path, listing: Path, seed: int, epochs: int, out: Path) -> None:
     """One unchanged job: shuffled epochs of plain reads; writes its counters to `out`."""
     rels = listing.read_text().split("\n")
     rng = random.Random(seed)
-    me = f"pid:{os.getpid()}"
+    # Under kernel hits the daemon cannot tell readers apart: every read is job pid:0's.
+    me = "pid:0" if stats(mnt).get("no_open") else f"pid:{os.getpid()}"
     marks = []
     for _ in range(epochs):
         order = rels[:]
@@ -82,9 +83,15 @@ def run_unchanged(mnt: Path, tmp: Path, rels: list[str], jobs: int, epochs: int)
         if p.wait() != 0:
             raise SystemExit(f"a reader failed with {p.returncode}")
     hits = opens = 0
-    for out in outs:
-        marks = json.loads(out.read_text())["marks"]
-        (h1, m1), (h, m) = marks[0], marks[-1]
+    marks = [json.loads(out.read_text())["marks"] for out in outs]
+    if stats(mnt).get("no_open"):
+        # One job's counters for all readers (kernel hits): from when the last reader ended
+        # its first epoch to the end.
+        h1, m1 = max((mk[0] for mk in marks), key=sum)
+        h, m = _job_counters(mnt, "pid:0")
+        return (h - h1) / max(1, h + m - h1 - m1)
+    for mk in marks:
+        (h1, m1), (h, m) = mk[0], mk[-1]
         hits += h - h1
         opens += h + m - h1 - m1
     return hits / opens
@@ -98,7 +105,8 @@ def part_unchanged(args: argparse.Namespace, tmp: Path, src: Path, rels: list[st
         f"(f = {args.fraction:.2f}), {args.epochs} shuffled epochs, policy {args.policy}"
     )
     for jobs in (1, args.jobs):
-        with mounted(src, tmp / f"mnt-u{jobs}", "--ram", str(ram), "--policy", args.policy) as m:
+        opts = ("--ram", str(ram), "--policy", args.policy, "--kernel-hits", args.kernel_hits)
+        with mounted(src, tmp / f"mnt-u{jobs}", *opts) as m:
             t0 = time.monotonic()
             ratio = run_unchanged(m, tmp, rels, jobs, args.epochs)
             s = stats(m)
@@ -213,8 +221,20 @@ def group_once(
             f"{jobs} job(s): source bytes {s['bytes_from_source'] / total:.2f}x the dataset, "
             f"{took:.1f} s, unbridged {s['sampler'].get('unbridged')}, "
             f"hit ratio {s['hit_ratio']:.3f}, staged at most {staged / 1e6:.1f} MB"
+            + _served_text(s.get("prefetch"))
         )
     print(f"{args.jobs} jobs / 1 job: source bytes {fetched[args.jobs] / fetched[1]:.2f}x")
+
+
+def _served_text(pf: dict[str, Any] | None) -> str:
+    """The prefetcher's opens served / files fetched (stats.json `prefetch`), if it ran."""
+    if not pf or not pf.get("fetched"):
+        return ""
+    dropped = pf["wasted"] + pf.get("unused", 0)
+    return (
+        f", prefetch served/fetched {pf['served']}/{pf['fetched']} = "
+        f"{pf['served'] / pf['fetched']:.2f} (dropped unread {dropped})"
+    )
 
 
 def main() -> None:
@@ -242,6 +262,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument(
+        "--kernel-hits",
+        choices=("on", "off"),
+        default="off",
+        help="part unchanged: mount with --kernel-hits (FUSE no-open; the readers drop each "
+        "file's pages before reading it, so their reads still reach the daemon)",
+    )
     ap.add_argument(
         "--shadefs-args", nargs="+", default=[], metavar="ARG",
         help="more mount options of the group part, e.g. --shadefs-args=--prefetch-window=4M",

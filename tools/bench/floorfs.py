@@ -1,6 +1,6 @@
 """The floor of a pyfuse3 + trio daemon: a read-only tree served from memory, nothing else.
 
-    python tools/bench/floorfs.py SRC MNT [--no-open-signal]
+    python tools/bench/floorfs.py SRC MNT [--no-open]
 
 `bench_cpu.py` measures the daemon's CPU per opened file against this filesystem in the same
 run: it reads SRC into memory before mounting and then answers lookup, getattr, readdir,
@@ -12,11 +12,10 @@ floor that shadefs's figures are divided by.
 It counts its requests by type (the only work beyond the minimum, one dict increment each):
 `getfattr -n user.floorfs.requests MNT` returns them as JSON.
 
-`--no-open-signal` is an experiment (docs/developer-notes.md, "Kernel-side levers"): after
-SIGUSR1, `open` answers ENOSYS, which makes the kernel stop sending open and release for the
-rest of the mount (FUSE no-open mode). pyfuse3 then hands `read` no inode, so only files
-whose pages the kernel already holds can be read; that is enough to measure what a warm hit
-costs when the daemon never sees it.
+`--no-open` is the floor of kernel hits (shadefs's `--kernel-hits`, FUSE no-open mode):
+`open` answers ENOSYS, after which the kernel opens every file itself and sends a READ only
+for pages it lacks. It needs the project's patched pyfuse3 (`make pyfuse3`), which passes
+the inode as the READ's file handle; with a stock one it refuses to start.
 
 SIGTERM or SIGINT unmounts.
 """
@@ -120,8 +119,8 @@ class FloorOperations(pyfuse3.Operations):
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         self.requests["read"] += 1
-        data = self.data.get(fh)
-        if data is None:  # fh 0: a read after no-open, which names no file
+        data = self.data.get(fh)  # (with --no-open, fh is the inode: the patched pyfuse3)
+        if data is None:
             raise pyfuse3.FUSEError(errno.EIO)
         return data[off : off + size]
 
@@ -137,37 +136,34 @@ class FloorOperations(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.ENODATA)
 
 
-async def _serve(ops: FloorOperations, no_open_signal: bool) -> None:
+async def _serve() -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_signals, ops, no_open_signal)
+        nursery.start_soon(_signals)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
 
-async def _signals(ops: FloorOperations, no_open_signal: bool) -> None:
-    wanted = {signal.SIGTERM, signal.SIGINT}
-    if no_open_signal:
-        wanted.add(signal.SIGUSR1)
-    with trio.open_signal_receiver(*wanted) as signals:
-        async for signum in signals:
-            if signum == signal.SIGUSR1:
-                ops.no_open = True
-            else:
-                pyfuse3.terminate()
+async def _signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            pyfuse3.terminate()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source")
     ap.add_argument("mountpoint")
-    ap.add_argument("--no-open-signal", action="store_true", help="SIGUSR1: answer ENOSYS to open")
+    ap.add_argument("--no-open", action="store_true", help="FUSE no-open mode (patched pyfuse3)")
     args = ap.parse_args()
+    if args.no_open and not getattr(pyfuse3, "NO_OPEN_FH_IS_INODE", False):
+        ap.error("--no-open needs the patched pyfuse3 (make pyfuse3)")
     ops = FloorOperations(args.source)
+    ops.no_open = args.no_open
     # The options shadefs mounts with (daemon.fuse_options), so that the kernel behaves alike.
     options = set(pyfuse3.default_options) | {"fsname=floorfs", "subtype=floorfs", "noatime"}
     pyfuse3.init(ops, args.mountpoint, options)
     try:
-        trio.run(_serve, ops, args.no_open_signal)
+        trio.run(_serve)
     finally:
         pyfuse3.close(unmount=True)
 
