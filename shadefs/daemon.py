@@ -42,6 +42,14 @@ log = logging.getLogger(__name__)
 # A young collection of 10k objects takes a few ms of the loop, well inside its lag bound.
 GC_YOUNG = 10_000
 
+# pyfuse3 reads the next request from /dev/fuse only while fewer than this many request
+# tasks are busy. A request that waits on a hung source holds its task until its deadline
+# (--source-timeout): at pyfuse3's default of 99, 100 readers of missed files stopped the
+# whole mount, hits and stats.json included, and each further wave of misses waited one
+# timeout more in the kernel's queue. An idle task costs nothing (pyfuse3 ends tasks beyond
+# the idle minimum), a busy one a trio task and its request's buffer (touched pages only).
+MAX_REQUEST_TASKS = 1024
+
 
 def setup_logging(opts: MountOptions) -> None:
     root = logging.getLogger()
@@ -176,7 +184,7 @@ class Daemon:
             self.service.start(nursery)
             nursery.start_soon(_signals)
             nursery.start_soon(self._announce_ready)
-            await pyfuse3.main()
+            await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
             nursery.cancel_scope.cancel()
 
     def _start_metrics(self, addr: str) -> None:

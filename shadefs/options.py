@@ -12,6 +12,7 @@ The daemon imports this module, so it stays light: no trio, numpy or pyfuse3.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -94,6 +95,12 @@ def positive_float(text: str) -> float:
     return value
 
 
+def ssd_value(text: str) -> str:
+    """`DIR[:SIZE]`, checked as `split_ssd` splits it (ValueError for a bad SIZE)."""
+    split_ssd(text)
+    return text
+
+
 def any_text(text: str) -> str:
     return text
 
@@ -118,7 +125,7 @@ RAM = Option[int | None](
     "counts file bytes",
 )
 SSD = Option[str | None](
-    name="ssd", default=None, parse=any_text, metavar="DIR[:SIZE]",
+    name="ssd", default=None, parse=ssd_value, metavar="DIR[:SIZE]",
     help="local SSD cache directory and its budget", shown="off",
     meaning="a local SSD tier in DIR; SIZE defaults to 80% of the disk's free space above "
     "the floor",
@@ -368,16 +375,17 @@ def parse_o(groups: Iterable[str]) -> dict[str, Any]:
 
 
 def split_ssd(text: str) -> tuple[str, int | None]:
-    """`DIR[:SIZE]` -> (DIR, SIZE or None)."""
-    # A directory name may itself contain ':', so split at the last one only when what
-    # follows parses as a size.
+    """`DIR[:SIZE]` -> (DIR, SIZE or None); ValueError when what follows the last ':' is not
+    a size. A directory whose name has a ':' is taken whole if it exists (else give its
+    size after it): a SIZE that does not parse must never become part of a new directory's
+    name, mounted with the default budget."""
     path, sep, size = text.rpartition(":")
-    if sep and path:
-        try:
-            return path, parse_size(size)
-        except ValueError:
-            pass
-    return text, None
+    if not sep or not path or os.path.isdir(text):
+        return text, None
+    try:
+        return path, parse_size(size)
+    except ValueError as exc:
+        raise ValueError(f"bad SIZE in DIR:SIZE: {exc}") from None
 
 
 def from_args(args: argparse.Namespace) -> MountOptions:

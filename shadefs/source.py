@@ -1,11 +1,14 @@
 """All access to the backing tree (usually an NFS mount).
 
 Every call that may block on the remote runs in a worker thread behind one
-`trio.CapacityLimiter`, under a timeout: a hung NFS server turns into EIO for the caller
-instead of a hung training job, and the number of threads stuck in the kernel is bounded by
-the limiter (a token comes back only when its thread really finishes, so abandoned calls
-keep holding theirs); `source_calls.py` does both at the least cost trio allows. Errors
-become `pyfuse3.FUSEError` with the source's errno.
+`trio.CapacityLimiter`, under a timeout that runs from the call, whether it waits for a
+thread or runs in one: a hung NFS server turns into EIO for the caller instead of a hung
+training job, even when every thread is stuck in it. The number of threads stuck in the
+kernel is bounded by the limiter (a token comes back only when its thread really finishes,
+so abandoned calls keep holding theirs, counted as `threads_stuck`); `source_calls.py` does
+all this at the least cost trio allows. Every source access goes through `Source.run`:
+lookups, opens, reads, listings, links, xattrs, statfs, the prefetcher's and speculation's
+batches, block loads. Errors become `pyfuse3.FUSEError` with the source's errno.
 
 Paths are bytes relative to the source root (b"" is the root itself), so names that are not
 valid UTF-8 survive unchanged. They are resolved by `source_paths.Resolver` from a descriptor
@@ -198,6 +201,9 @@ class Source:
             timeouts=self.timeouts,
             errors=self.errors,
             inline_reads=self.inline.reads,
+            threads_busy=self.limiter.borrowed_tokens,
+            threads_stuck=self.calls.stuck,
+            queue_timeouts=self.calls.queue_timeouts,
         )
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:

@@ -10,14 +10,28 @@ primitives:
   back with one `run_sync_soon`, without `to_thread`'s context copy and bookkeeping for
   `trio.from_thread` calls (source calls make none);
 - the limiter's token is taken without a checkpoint when one is free, and given back only
-  when the thread really ends, so calls abandoned on a hung server keep holding theirs (the
-  limiter bounds the threads stuck in the kernel, as `to_thread` does);
+  when the thread really ends, so calls abandoned on a hung server keep holding theirs: the
+  threads stuck in the kernel are at most the limiter's tokens, never reused until they
+  return (trio's thread cache hands out only idle threads), and counted (`stuck`);
+- a call's deadline runs from when it is made, whether it then waits for a token or runs
+  in a thread: one that cannot get a thread by its deadline fails as one that timed out in
+  a thread (`TimedOut`; `queue_timeouts` counts them). Without this, a hung server that
+  holds every token would leave the calls queued behind them waiting until it answers.
+  And while every token is held by a thread whose call timed out, no call can get one
+  before the server answers again: a call then fails at once, as do those already queued.
+  Requests that the kernel sends one after the other (lookups of names in one directory)
+  would otherwise fail one timeout after the other. (A cancelled call's thread is counted
+  as stuck too, but says nothing of the server: it does not make calls fail at once);
 - deadlines are kept by one watchdog task per trio run (a system task, started on first
   use), not by a cancel scope per call. It sleeps until the earliest deadline of the calls
   waiting, or one timeout when none waits (a call made meanwhile has a later deadline), and
   is woken sooner only by a call with an earlier deadline, which never happens while every
   call has the same timeout. So it wakes about once per timeout however many calls
-  complete, and a hung call fails on time.
+  complete, and a hung call fails on time. Only a call that must wait for a token pays for
+  a cancel scope, and only then.
+
+When the server answers again, the stuck threads return one by one: each gives its token to
+the next call queued, and the pool is back to normal without anyone's help.
 
 A call whose task is cancelled (unmount) is abandoned at once, like `abandon_on_cancel`.
 """
@@ -38,23 +52,33 @@ T = TypeVar("T")
 
 
 class TimedOut(Exception):
-    """A call did not return within the timeout; its thread was abandoned."""
+    """A call did not end within the timeout: its thread was abandoned, or it got none."""
 
 
 class _Call:
-    __slots__ = ("task", "deadline", "waiting")
+    __slots__ = ("task", "deadline", "waiting", "timed_out")
 
     def __init__(self, task: trio.lowlevel.Task, deadline: float) -> None:
         self.task = task
         self.deadline = deadline
         self.waiting = True  # False once answered, timed out or cancelled
+        self.timed_out = False  # its thread ran past the deadline
 
 
 class Calls:
-    """Worker-thread calls behind `limiter`, each abandoned after a timeout."""
+    """Worker-thread calls behind `limiter`, each ended by its deadline.
+
+    :stuck: threads still in a call that their caller gave up (timed out or cancelled):
+        they hold their tokens until the call returns
+    :queue_timeouts: calls that timed out before they got a thread
+    """
 
     def __init__(self, limiter: trio.CapacityLimiter) -> None:
         self.limiter = limiter
+        self.stuck = 0
+        self.queue_timeouts = 0
+        self._hung = 0  # of the stuck threads, those whose call timed out (not cancelled)
+        self._queued: set[trio.CancelScope] = set()  # the waits of calls queued for a token
         self._waiting: dict[_Call, None] = {}  # in deadline order (insertion order)
         self._token: trio.lowlevel.TrioToken | None = None  # of the run the watchdog serves
         self._idle = math.inf  # the shortest timeout asked for: the watchdog's idle sleep
@@ -62,7 +86,8 @@ class Calls:
         self._wake = trio.Event()  # wakes it sooner (a call with an earlier deadline)
 
     async def run(self, timeout: float, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a worker thread; TimedOut after `timeout` seconds."""
+        """fn(*args) in a worker thread; TimedOut `timeout` seconds after the call, whether
+        it was still waiting for a thread or running in one."""
         await trio.lowlevel.checkpoint_if_cancelled()
         token = trio.lowlevel.current_trio_token()
         if timeout < self._idle:
@@ -78,8 +103,7 @@ class Calls:
         try:
             limiter.acquire_on_behalf_of_nowait(call)
         except trio.WouldBlock:
-            await limiter.acquire_on_behalf_of(call)
-            call.deadline = trio.current_time() + timeout  # the wait for a thread is not its
+            await self._queue(call)
         waiting = self._waiting
 
         def done(result: outcome.Outcome[T]) -> None:  # in the trio thread
@@ -88,6 +112,10 @@ class Calls:
                 call.waiting = False
                 del waiting[call]
                 trio.lowlevel.reschedule(call.task, result)
+            else:
+                self.stuck -= 1  # an abandoned call's thread came back (and its token)
+                if call.timed_out:
+                    self._hung -= 1
 
         def deliver(result: outcome.Outcome[T]) -> None:  # in the worker thread
             try:
@@ -99,6 +127,7 @@ class Calls:
             if call.waiting:
                 call.waiting = False
                 del waiting[call]
+                self.stuck += 1  # (a cancelled call says nothing of the source's health)
             return trio.lowlevel.Abort.SUCCEEDED  # the thread runs on, abandoned
 
         waiting[call] = None
@@ -107,6 +136,33 @@ class Calls:
         trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
         result: T = await trio.lowlevel.wait_task_rescheduled(abort)
         return result
+
+    async def _queue(self, call: _Call) -> None:
+        """Wait for a token until the call's deadline (every token is held: a busy or a hung
+        source); TimedOut then, as if the call had timed out in a thread. At once while
+        every token is held by a call that timed out: none comes back before the source
+        answers."""
+        if self._hung < self.limiter.total_tokens:
+            with trio.move_on_at(call.deadline) as scope:
+                self._queued.add(scope)
+                try:
+                    await self.limiter.acquire_on_behalf_of(call)
+                finally:
+                    self._queued.discard(scope)
+                if trio.current_time() < call.deadline:
+                    return
+                self.limiter.release_on_behalf_of(call)  # got one too late to use it
+        self.queue_timeouts += 1
+        raise TimedOut()
+
+    def _timed_out(self, call: _Call) -> None:
+        """A running call timed out: its thread is stuck until the source answers."""
+        call.timed_out = True
+        self.stuck += 1
+        self._hung += 1
+        if self._hung >= self.limiter.total_tokens:
+            for scope in self._queued:  # no token can come back before the source answers
+                scope.cancel()
 
     async def _watch(self, waiting: dict[_Call, None]) -> None:
         """Fail the calls past their deadline (a system task: ends with its trio run)."""
@@ -119,6 +175,7 @@ class Calls:
                 if call.deadline <= now:
                     call.waiting = False
                     del waiting[call]
+                    self._timed_out(call)  # its thread runs on until the source answers
                     trio.lowlevel.reschedule(call.task, outcome.Error(TimedOut()))
                 elif call.deadline < first:
                     first = call.deadline

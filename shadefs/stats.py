@@ -29,13 +29,12 @@ VERSION = 1  # of the stats.json document
 class Metrics:
     """Counters. `hits` and `misses` count opens of regular files: one sample = one file."""
 
-    __slots__ = ("hits", "misses", "bytes_served", "passthrough_opens", "control_errors",
-                 "started", "requests", "no_open")  # fmt: skip
+    __slots__ = ("hits", "misses", "kernel_hits", "bytes_served", "passthrough_opens",
+                 "control_errors", "started", "requests", "no_open")  # fmt: skip
 
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}  # FUSE requests by handler (fs/operations.py)
-        self.hits = 0
-        self.misses = 0
+        self.hits = self.misses = self.kernel_hits = 0  # (kernel_hits: see Counters)
         self.bytes_served = 0
         self.passthrough_opens = 0
         self.control_errors = 0
@@ -46,6 +45,7 @@ class Metrics:
         return Counters(
             hits=self.hits,
             misses=self.misses,
+            kernel_hits=self.kernel_hits,
             bytes_served=self.bytes_served,
             passthrough_opens=self.passthrough_opens,
             control_errors=self.control_errors,
@@ -61,12 +61,13 @@ class Metrics:
 class Counters:
     """`Metrics` at one instant. JSON: top-level fields of the same names."""
 
-    hits: int
-    misses: int
+    hits: int  # opens served from a tier of the daemon (RAM, SSD, staged)
+    misses: int  # opens that no tier held: fetched, or deferred to their first read
     bytes_served: int
     passthrough_opens: int
     control_errors: int
     requests: dict[str, int] = field(default_factory=dict)  # FUSE requests by type
+    kernel_hits: int = 0  # misses the kernel served from its own pages: nothing fetched
     no_open: bool = False  # kernel hits: hits, misses: only reads of pages the kernel lacked
 
 
@@ -80,6 +81,9 @@ class SourceStats:
     timeouts: int
     errors: int
     inline_reads: int = 0  # files read on the event loop, without a thread (source_inline.py)
+    threads_busy: int = 0  # worker threads in a source call now, stuck ones included
+    threads_stuck: int = 0  # of those, threads whose caller gave up (timed out or cancelled)
+    queue_timeouts: int = 0  # calls that timed out waiting for a thread (all were busy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,8 +340,8 @@ class Stats:
         return self.counters.hits + self.counters.misses
 
     @property
-    def hit_ratio(self) -> float:
-        return self.counters.hits / self.opens if self.opens else 0.0
+    def hit_ratio(self) -> float:  # opens served without a fetch: tier hits and kernel hits
+        return (self.counters.hits + self.counters.kernel_hits) / self.opens if self.opens else 0.0
 
     @property
     def files_cached(self) -> int:
@@ -372,20 +376,15 @@ class Stats:
             **_dump(cache.fetches),
             "handles": _dump(cache.handles),
             **_dump(self.namespace),
-            "source_healthy": src.healthy,
-            "source_timeouts": src.timeouts,
-            "source_errors": src.errors,
-            "source_inline_reads": src.inline_reads,
+            **{f"source_{k}": v for k, v in _dump(src).items() if k not in ("root", "bytes_read")},
             "sampler": self.sampler.to_json(),
             "jobs": [_dump(job) for job in self.jobs],
         }
         if cache.ssd is not None:
             ssd = cache.ssd
             out["tiers"]["ssd"] = ssd.to_json()
-            out["ssd_bytes"] = ssd.bytes
-            out["ssd_capacity"] = ssd.capacity
-            out["ssd_hits"] = ssd.hits
-            out["ssd_entries"] = ssd.entries
+            for k in ("bytes", "capacity", "hits", "entries"):
+                out[f"ssd_{k}"] = getattr(ssd, k)
             out["corrupt_entries"] = ssd.corrupt_entries
             out["restore"] = _dump(ssd.restore)
         if self.prefetch is not None:
@@ -430,7 +429,6 @@ class Stats:
 
 
 _T = TypeVar("_T", bound="DataclassInstance")
-_S_co = TypeVar("_S_co", covariant=True)
 
 
 def _dump(obj: DataclassInstance) -> dict[str, Any]:

@@ -42,6 +42,11 @@ async def test_a_reopen_whose_reads_the_kernel_serves_fetches_nothing(tmp_path: 
     assert svc.metrics.misses == misses + 1  # still a miss for the policies and counters
     h = svc.cache.describe().handles
     assert (h.deferred, h.unread, h.bytes, h.open) == (1, 1, 0, 0)
+    # ... and a kernel hit: served without a fetch, in the hit ratio beside the tier hits.
+    s = svc.stats()
+    assert s.counters.kernel_hits == 1 and s.counters.hits == 0
+    assert s.hit_ratio == 1 / s.opens
+    assert s.to_json()["kernel_hits"] == 1
 
 
 async def test_the_first_read_fetches_once_and_later_opens_hit(tmp_path: Path) -> None:
@@ -55,6 +60,7 @@ async def test_the_first_read_fetches_once_and_later_opens_hit(tmp_path: Path) -
     assert svc.cache.handles.held == 0  # admitted: the handle holds nothing outside RAM
     await ops.release(fi.fh)
     assert svc.cache.describe().handles.unread == 0
+    assert svc.metrics.kernel_hits == 0  # a read reached the daemon: a miss, fetched
     hits = svc.metrics.hits
     assert await read_all(ops, ino) == OLD and svc.metrics.hits == hits + 1
 

@@ -22,6 +22,7 @@ class FakeEpoch:
     epoch_time: float
     hits: int | None = None
     misses: int | None = None
+    kernel_hits: int | None = None
 
 
 def _runs(times: tuple[list[float], list[float], list[float]]) -> list[Run]:

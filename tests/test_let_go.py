@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import trio
 
+from shadefs.cache.lazy import Deferred
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings
 
@@ -49,5 +50,39 @@ def test_a_file_no_other_job_reads_is_let_go() -> None:
         for key in keys:  # one job: what it evicts it has read this epoch
             await _open(cache, source, key, pid=_A)
         assert cache.evictions + cache.refused >= 4 and pf.kept == 0 and not pf.staged
+
+    trio.run(run)
+
+
+def test_a_lazy_open_of_a_kept_file_is_deferred_and_counts_a_kernel_hit() -> None:
+    # Issue 36: a kept file the kernel may still hold pages of was handed the staged bytes at
+    # open, a miss; the kernel then served every read from its pages. Deferred instead, it
+    # is a kernel hit when released unread, and a read that does come takes the staged
+    # bytes, never the source.
+    async def run() -> None:
+        source = _CountingSource(delay=0)
+        keys = list(range(1, 13))
+        cache = _cache(source, _listings(FakeListing(b"d", [*keys, 50])), 20 * SIZE)
+        pf = cache.prefetcher
+        assert pf is not None
+        await _open(cache, source, 50, pid=_B)
+        cache.readers.tracker.settle()
+        for key in keys:
+            await _open(cache, source, key, pid=_A)
+        kept = [key for key in keys if key in pf.staged]
+        assert len(kept) >= 2
+        unread, read = kept[:2]
+        for key in (unread, read):
+            got = await cache.open_entry(key, b"p%d" % key, source.stat(key), _B, lazy=True)
+            assert isinstance(got, Deferred)
+            got.answered()
+            if key == read:
+                entry = await got.fetch()  # its first read: the staged bytes
+                assert len(entry.data) == SIZE
+                cache.unpin(entry.data)
+            else:
+                got.drop()  # released unread: the kernel served it
+        assert cache.metrics.kernel_hits == 1
+        assert len(source.fetches) == 13  # nothing fetched again
 
     trio.run(run)

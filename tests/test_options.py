@@ -121,10 +121,33 @@ def test_flags_win_over_o_and_later_o_wins() -> None:
 def test_ssd_dir_and_size() -> None:
     assert (mount("--ssd", "/c:400G").ssd, mount("--ssd", "/c:400G").ssd_size) == ("/c", 400 << 30)
     assert (mount("-o", "ssd=/c:1G").ssd, mount("-o", "ssd=/c:1G").ssd_size) == ("/c", 1 << 30)
-    # A ':' followed by something that is not a size belongs to the directory name.
-    assert (mount("--ssd", "/a:b").ssd, mount("--ssd", "/a:b").ssd_size) == ("/a:b", None)
     assert options.split_ssd("/a:b:2M") == ("/a:b", 2 << 20)
     assert options.split_ssd(":5G") == (":5G", None)
+
+
+def test_a_directory_with_a_colon_is_taken_whole_only_if_it_exists(tmp_path: Path) -> None:
+    odd = tmp_path / "cache:b"
+    odd.mkdir()
+    assert (mount("--ssd", str(odd)).ssd, mount("--ssd", str(odd)).ssd_size) == (str(odd), None)
+    assert options.split_ssd(f"{odd}:2M") == (str(odd), 2 << 20)
+    with pytest.raises(ValueError, match="bad SIZE in DIR:SIZE"):
+        options.split_ssd(str(tmp_path / "nope:b"))
+
+
+@pytest.mark.parametrize("args", [["--ssd", "{d}:-1"], ["--ssd", "{d}:10Q"], ["-o", "ssd={d}:abc"]])
+def test_a_bad_ssd_size_exits_2_on_one_line_and_creates_nothing(
+    tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 36: `--ssd DIR:-1` mounted with a directory named `DIR:-1` and the default budget.
+    cache = tmp_path / "cache"
+    argv = ["mount", str(tmp_path / "src"), str(tmp_path / "mnt")]
+    with pytest.raises(SystemExit) as exit_:
+        code = main([*argv, args[0], args[1].format(d=cache)])
+        raise SystemExit(code)
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "bad SIZE in DIR:SIZE: not a size" in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def _helper_dropped_words() -> list[str]:

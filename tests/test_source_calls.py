@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import threading
 
 import pyfuse3
@@ -112,3 +113,70 @@ async def test_source_turns_a_timeout_into_eio_once_per_outage(tmp_path) -> None
     gate.set()
     assert await src.run(len, b"abc") == 3
     assert src.healthy
+
+
+async def _threads_back(calls: Calls) -> None:
+    """Until every abandoned thread has returned (they run in real time, outside trio: the
+    wait is counted in real time, 10 s at most, whatever a MockClock does meanwhile)."""
+    for _ in range(1000):
+        if not calls.limiter.borrowed_tokens:
+            return
+        await trio.to_thread.run_sync(threading.Event().wait, 0.01)
+    raise AssertionError("the abandoned threads did not return")
+
+
+async def test_calls_beyond_the_threads_of_a_hung_source_fail_at_their_deadline(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # More concurrent calls than threads, into a source that never answers: every one ends
+    # by its deadline, those that never got a thread included (they waited for ever before).
+    mock_clock.autojump_threshold = 0
+    calls = Calls(trio.CapacityLimiter(2))
+    gate = threading.Event()
+    ended: list[float] = []
+
+    async def call() -> None:
+        with pytest.raises(TimedOut):
+            await calls.run(2.0, _blocked, gate, threading.Event())
+        ended.append(trio.current_time())
+
+    t0 = trio.current_time()
+    with trio.fail_after(60):  # virtual seconds: a call that waits for ever fails the test
+        async with trio.open_nursery() as nursery:
+            for _ in range(7):
+                nursery.start_soon(call)
+    assert ended == [t0 + 2.0] * 7
+    assert calls.queue_timeouts == 5  # never got a thread
+    assert calls.stuck == 2 and calls.limiter.borrowed_tokens == 2  # never reused, bounded
+    # The next call during the outage fails on time too, without a thread of its own.
+    with pytest.raises(TimedOut):
+        await calls.run(2.0, len, b"x")
+    assert calls.queue_timeouts == 6
+    # The source answers again: the stuck threads drain and calls go through on their own.
+    # (The clock stands still from here: a thread's real time must not jump it to a deadline.)
+    mock_clock.autojump_threshold = math.inf
+    gate.set()
+    await _threads_back(calls)
+    assert calls.stuck == 0
+    assert await calls.run(2.0, len, b"ok") == 2
+
+
+async def test_a_cancelled_call_holds_its_thread_but_fails_no_other_call() -> None:
+    # Only calls that timed out say the source is hung; a call cancelled by its caller
+    # keeps its thread till it returns, and the next call waits for that thread.
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    with trio.move_on_after(0.2):
+        await calls.run(30, _blocked, gate, started)
+    assert calls.stuck == 1
+    got: list[int] = []
+
+    async def second() -> None:
+        got.append(await calls.run(30, len, b"abc"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # queued for the one thread, not failed
+        gate.set()
+    assert got == [3] and calls.stuck == 0 and calls.queue_timeouts == 0

@@ -28,6 +28,7 @@ TOP = {
     "source_healthy", "source_timeouts",
     "source_errors", "source_inline_reads", "control_errors", "sampler", "jobs", "source_fetches",
     "source_fetch_bytes", "refetches", "refetch_bytes", "loop_lag_max_ms", "requests",
+    "kernel_hits", "source_threads_busy", "source_threads_stuck", "source_queue_timeouts",
     "no_open",
 }  # fmt: skip
 SSD_TOP = {"ssd_bytes", "ssd_capacity", "ssd_hits", "ssd_entries", "corrupt_entries", "restore"}
@@ -108,7 +109,7 @@ def test_the_text_form() -> None:
     text = render_text(full())
     assert text.startswith("shadefs /mnt/nfs -> /mnt/shade (pid 4242, up 12 s)\n")
     assert "policy        shade  entries=3 epoch=2 epoch_source=sampler min_score=0.1" in text
-    assert "opens         40  hits 30  misses 10  hit ratio 0.750" in text
+    assert "opens         40  hits 30  misses 10 (of which kernel hits 0)  hit ratio 0.750" in text
     assert "ssd           8.8 KiB of 87.9 KiB in 8 files, 10 hits, 2 corrupt entries" in text
     assert "source        NOT ANSWERING  timeouts 3  errors 1" in text
     assert "ssd " not in render_text(minimal())

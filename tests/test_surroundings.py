@@ -8,16 +8,20 @@ Security section states what they show.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from shadefs.cli.waiting import ANSWER_TIMEOUT
 from tests.conftest import make_tree, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
@@ -152,9 +156,17 @@ def test_tools_time_out_on_a_stopped_daemon_and_umount_z_detaches(tmp_path: Path
         one_line_error(res, 7, "does not answer")
         res = run_cli("umount", str(m.mnt), "--timeout", "1")
         one_line_error(res, 7, "umount -z")
-        res = run_cli("umount", "-z", str(m.mnt), "--timeout", "1")
+        res = run_cli("stat", str(m.mnt), "--watch", "--timeout", "1")
+        one_line_error(res, 7, "does not answer within 1 s")
+        res = run_cli("warmup", str(m.mnt), "--timeout", "1")
+        one_line_error(res, 7, "does not answer within 1 s")
+        # A lazy detach asks the daemon nothing: it does not wait out the answer timeout
+        # (10 s), whatever --timeout says.
+        t0 = time.monotonic()
+        res = run_cli("umount", "-z", str(m.mnt), "--timeout", "30")
         assert res.returncode == 0, res.stderr
         assert "detached" in res.stderr
+        assert time.monotonic() - t0 < ANSWER_TIMEOUT / 2
         with open("/proc/self/mountinfo") as f:
             assert f" {m.mnt} " not in f.read()
     finally:
@@ -303,6 +315,77 @@ def test_a_source_remounted_on_its_path_is_reopened(tmp_path: Path, mounter) -> 
             assert (m.mnt / rel).read_bytes() == tree[rel]
         assert m.stats()["source_healthy"] is True
         assert m.log.read_text().count("was remounted") == 1
+    finally:
+        os.kill(slow_pid, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)
+
+
+# --- a hung source ----------------------------------------------------------------------------
+
+
+def _slowfs(real: Path, mnt: Path, *args: str) -> int:
+    mnt.mkdir()
+    cmd = [sys.executable, "-m", "shadefs.demo.slowfs", str(real), str(mnt), "--daemon"]
+    opts = ["--open-latency", "0", "--meta-latency", "0", "--bandwidth", "0", *args]
+    subprocess.run(cmd + opts, check=True, timeout=60)
+    return int(json.loads(os.getxattr(mnt, "user.slowfs.stats"))["pid"])
+
+
+def _timed_read(path: Path) -> tuple[float, int | None]:
+    t0 = time.monotonic()
+    try:
+        path.read_bytes()
+    except OSError as exc:
+        return time.monotonic() - t0, exc.errno
+    return time.monotonic() - t0, None
+
+
+@pytest.mark.parametrize("hang", ["stop", "open", "read"])
+def test_more_misses_than_threads_into_a_hung_source_all_fail_in_time(
+    tmp_path: Path, mounter, hang: str
+) -> None:
+    # Issue 36: with every worker thread stuck in the dead source, the misses queued behind
+    # them waited until it answered again. Each must fail with EIO by its deadline.
+    require_fuse()
+    tree = files(30)
+    real = make_tree(tmp_path / "real", tree)
+    remote = tmp_path / "remote"
+    slow_pid = _slowfs(real, remote, "--hang-on", "open,read,readdir")
+    stop, resume = (
+        (signal.SIGSTOP, signal.SIGCONT) if hang == "stop" else (signal.SIGUSR1, signal.SIGUSR2)
+    )
+    names = list(tree)
+    hot, cold, later = names[:5], names[5:17], names[17:]
+    timeout = 1.0
+    pool = concurrent.futures.ThreadPoolExecutor(len(cold))
+    try:
+        m = mounter(remote, "--source-timeout", str(timeout), "--source-threads", "2",
+                    "--no-speculate", "--no-prefetch")  # fmt: skip
+        for rel in hot:
+            assert (m.mnt / rel).read_bytes() == tree[rel]
+        os.kill(slow_pid, stop)
+        try:
+            futures = [pool.submit(_timed_read, m.mnt / rel) for rel in cold]
+            for rel in hot:  # hits answer while the misses wait
+                assert (m.mnt / rel).read_bytes() == tree[rel]
+            done, pending = concurrent.futures.wait(futures, timeout=10 * timeout)
+            assert not pending, f"{len(pending)} misses still wait for the hung source"
+            for f in done:
+                took, err = f.result()
+                assert err == errno.EIO and took <= 2 * timeout + 1, (took, err)
+            s = m.stats()
+            assert s["source_threads_stuck"] == 2 == s["source_threads_busy"]
+            assert s["source_queue_timeouts"] >= len(cold) - 2
+        finally:
+            os.kill(slow_pid, resume)
+            pool.shutdown(wait=True)
+        # Recovery on its own: the stuck threads return, and misses are served again.
+        wait_for("a good miss", lambda: _timed_read(m.mnt / later[0])[1] is None)
+        for rel in later:
+            assert (m.mnt / rel).read_bytes() == tree[rel]
+        wait_for("the stuck threads", lambda: m.stats()["source_threads_stuck"] == 0)
+        assert m.stats()["source_healthy"] is True
+        m.unmount()
     finally:
         os.kill(slow_pid, signal.SIGKILL)
         subprocess.run(["fusermount3", "-u", "-z", str(remote)], check=False)

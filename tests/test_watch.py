@@ -55,6 +55,20 @@ def test_the_view_computes_rates_over_the_interval() -> None:
         assert absent not in t
 
 
+def test_kernel_hits_count_as_hits_and_tier_hits_stay_on_their_own() -> None:
+    # 220 opens in the interval: 200 tier hits, 20 misses of which the kernel served 15
+    # from its pages (deferred opens released unread).
+    cur = with_counters(after(), kernel_hits=15)
+    t = text(BEFORE, cur, 2.0)
+    assert re.search(r"hits\s+100\.0/s\s+300", t)  # the tiers' hits, as before
+    assert re.search(r"kernel hits\s+7\.5/s\s+15", t)
+    assert re.search(r"hit ratio\s+0\.977\s+0\.851", t)  # 215/220; 315/370
+    assert cur.hit_ratio == 315 / 370 and cur.to_json()["hit_ratio"] == 315 / 370
+    # Released after the interval that opened them: never above 1.
+    late = with_counters(after(), misses=50, kernel_hits=30)
+    assert "hit 1.000" in watch.render_line(BEFORE, late, 2.0)
+
+
 def test_the_view_shows_every_section_the_mount_has() -> None:
     prev = full()
     ssd = prev.cache.ssd
@@ -96,7 +110,9 @@ def test_a_first_frame_or_a_counter_that_went_back_shows_no_rate() -> None:
     assert re.search(r"opens\s+-/s", text(None, BEFORE, 0.0))
     went_back = with_counters(after(), hits=10)  # a restarted daemon with the same pid
     assert re.search(r"hits\s+-/s", text(BEFORE, went_back, 1.0))
-    assert watch.render_line(None, BEFORE, 0.0).startswith("opens/s -  hits/s -  hit - (all 0.667)")
+    assert watch.render_line(None, BEFORE, 0.0).startswith(
+        "opens/s -  hits/s -  kernel hits/s -  hit - (all 0.667)"
+    )
 
 
 def test_render_line_is_one_plain_line() -> None:
@@ -104,7 +120,7 @@ def test_render_line_is_one_plain_line() -> None:
     cur = replace(cur, source=replace(cur.source, healthy=False))
     line = watch.render_line(BEFORE, cur, 2.0)
     assert line == (
-        "opens/s 110.0  hits/s 100.0  hit 0.909 (all 0.811)  served 50.0 MiB/s  "
+        "opens/s 110.0  hits/s 100.0  kernel hits/s 0.0  hit 0.909 (all 0.811)  served 50.0 MiB/s  "
         "source 10.0 MiB/s  ram 25%  source NOT ANSWERING"
     )
     ssd = full().cache.ssd

@@ -100,11 +100,10 @@ class Cache(Hits):
         self.handles = HandleLedger()
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
+        settings, reads_left = prefetch, self.pending.group_reads_left
         self.prefetcher = (
-            Prefetcher.with_settings(
-                prefetch, self.fetch_ahead, self.tier_of, self.pending.group_reads_left
-            )
-            if prefetch
+            Prefetcher.with_settings(settings, self.fetch_ahead, self.tier_of, reads_left)
+            if settings
             else None
         )
         self.policy = self._make_policy(policy)
@@ -112,8 +111,7 @@ class Cache(Hits):
         if ssd is not None:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
-            policy_of_ssd = self._make_policy(policy)
-            self.ssd = SsdTier(ssd, policy_of_ssd, key_of_ino, block_size=block_size)
+            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino, block_size=block_size)
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -192,7 +190,8 @@ class Cache(Hits):
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
         room = self.handles.held + st.st_size <= self.handle_limit
-        staged = prefetcher.take(key, sig) if prefetcher is not None and room else None
+        keep = lazy and (ssd is None or key not in ssd.index)  # staged for a first read: fetch
+        staged = prefetcher.take(key, sig) if prefetcher is not None and room and not keep else None
         data = None
         if ssd is not None and (staged is not None or st.st_size <= ssd.max_entry):
             if staged is None:
@@ -212,8 +211,7 @@ class Cache(Hits):
         reader.misses += 1
         reader.bytes += st.st_size
         if staged is not None:
-            self._adopt(key, path, staged, sig)
-            return Entry(staged, sig)
+            return self._adopt(key, path, staged, sig)
         if st.st_size > self.max_entry and (ssd is None or st.st_size > ssd.max_entry):
             self.metrics.passthrough_opens += 1
             return None
@@ -224,14 +222,15 @@ class Cache(Hits):
             self.handle_passthrough += 1
             return None
         if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
-            return Deferred(self.fetch, self.handles, key, path, st)
+            return Deferred(self.fetch, self.handles, self.metrics, key, path, st)
         return await self.fetch(key, path, st, pin=False)
 
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:
-        """A miss's fetch (a deferred open's, at its first read), pinned unless not `pin`."""
+        """A miss's fetch, pinned if `pin`; staged bytes first (a lazy open leaves them)."""
+        b = self.prefetcher.take(key, sig := Signature.of(st)) if self.prefetcher else None
         t0 = time.monotonic()
-        try:
-            got = await self._fetch(key, path, st)
+        try:  # (b: the bytes staged for the file, if any)
+            got = await self._fetch(key, path, st) if b is None else self._adopt(key, path, b, sig)
         finally:
             self.blocked += time.monotonic() - t0
         if pin:
@@ -288,11 +287,12 @@ class Cache(Hits):
         src, note = self.source, self.fetchlog.note_many
         return await fly_many(self._flights, items, src.read_files, note, src.read_now)
 
-    def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> None:
+    def _adopt(self, key: int, path: bytes, data: bytes, sig: Signature) -> Entry:
         """A file that a reader missed: the tiers' policies decide whether it stays."""
         self._admit(key, data, sig, hash(path))
         if self.ssd is not None:
             self.ssd.offer(key, path, data, sig)
+        return Entry(data, sig)
 
     def _admit(self, key: int, data: bytes, sig: Signature, where: int) -> None:
         if len(data) <= self.max_entry:  # larger ones are the SSD tier's or passed through

@@ -7,7 +7,8 @@ bookkeeping (hit/miss counts, the jobs' reads, the policies' notes, a staged fil
 pass-through and handle-limit decisions) and, where it would fetch, returns a `Deferred`
 instead. The handle's first read that reaches the daemon calls `fetch`, which is the
 cache's ordinary miss fetch (single flight, joining a prefetch, admission), pinned for the
-handle; a handle released unread fetches nothing (`HandleLedger.unread` counts those).
+handle; a handle released unread fetches nothing (`HandleLedger.unread` counts those, and so
+does `Metrics.kernel_hits`: the kernel served the open from its own pages).
 Two misses still fetch at open: one that finds a fetch of the file in flight joins it (the
 bytes are on their way; a prefetch landing after the open would be staged for nobody), and
 an empty file (no read will ever reach the daemon, which would then never cache it).
@@ -26,6 +27,7 @@ from typing import Generic, TypeVar
 
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.ssd_format import StatLike
+from shadefs.stats import Metrics
 
 __all__ = ["Deferred"]
 
@@ -38,18 +40,20 @@ class Deferred(Generic[E]):
     :key, path, st: the file as the open looked it up (`st` is the version it answered)
     """
 
-    __slots__ = ("_fetch", "_ledger", "key", "path", "st", "_reserved", "_answered")
+    __slots__ = ("_fetch", "_ledger", "_metrics", "key", "path", "st", "_reserved", "_answered")
 
     def __init__(
         self,
         fetch: Callable[[int, bytes, StatLike], Awaitable[E]],
         ledger: HandleLedger,
+        metrics: Metrics,
         key: int,
         path: bytes,
         st: StatLike,
     ) -> None:
         self._fetch = fetch
         self._ledger = ledger
+        self._metrics = metrics
         self.key, self.path, self.st = key, path, st
         self._reserved: int | None = st.st_size  # None once read or dropped
         ledger.reserve(st.st_size)
@@ -70,7 +74,10 @@ class Deferred(Generic[E]):
     def drop(self) -> None:
         """The handle was released (or its open failed) before any read: nothing fetched."""
         if self._answered and self._reserved is not None:
+            # The kernel served every read of this open from its own pages: a kernel hit
+            # (stats.json `kernel_hits`, in the hit ratio), though the open counted a miss.
             self._ledger.unread += 1
+            self._metrics.kernel_hits += 1
             self._ledger.kernel.served(True)
         self._unreserve()
 

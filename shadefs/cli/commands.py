@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 from shadefs import __version__, options
 from shadefs.cli.background import spawn_background
@@ -21,6 +22,7 @@ from shadefs.cli.waiting import ANSWER_TIMEOUT, NoAnswer, mounted, within
 from shadefs.common import (
     EXIT_INTERNAL,
     EXIT_NOT_SHADEFS,
+    EXIT_USAGE,
     QuietError,
     parse_float,
     parse_int,
@@ -33,8 +35,16 @@ log = logging.getLogger(__name__)
 _WAIT = "seconds to wait for the daemon to answer (default: %(default)g)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as every other error of the command line
+    (`--help` shows the usage); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="shadefs",
         description="A caching filesystem for deep-learning training data.",
     )
@@ -64,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     from shadefs.ops import warmup
 
     warmup.add_arguments(w)
+    w.add_argument(
+        "--timeout",
+        type=argtype(parse_float),
+        default=ANSWER_TIMEOUT,
+        help="seconds to wait for the daemon to answer the first check of the mount "
+        "(default: %(default)g)",
+    )
 
     c = sub.add_parser("ctl", help="send a control command to a mount")
     c.add_argument("mountpoint", metavar="MNT")
@@ -97,7 +114,10 @@ def cmd_stat(args: argparse.Namespace) -> int:
     if args.watch:
         from shadefs.ops.watch import watch
 
-        return watch(args.mountpoint, args.interval)
+        mnt = os.path.abspath(args.mountpoint)
+        return watch(
+            args.mountpoint, args.interval, ask=lambda read: within(args.timeout, mnt, read)
+        )
     client = ControlClient(args.mountpoint)
     name = "stats.json" if args.json else "stats"
     sys.stdout.write(within(args.timeout, client.mountpoint, lambda: client.text(name)))
@@ -118,30 +138,21 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mnt = os.path.join(os.path.realpath(os.path.dirname(raw)), os.path.basename(raw))
     if not mounted(mnt):
         raise QuietError(f"{mnt} is not mounted", EXIT_NOT_SHADEFS)
+    if args.lazy:
+        # A lazy detach needs nothing from the daemon: it is not asked (a stopped one would
+        # hold the command for the whole answer timeout). The daemon exits once it runs
+        # and finds its mount gone.
+        _fusermount(mnt, ["-z"], args.timeout)
+        print(f"shadefs: detached {mnt}; its daemon exits once its mount is gone", file=sys.stderr)
+        return 0
     pid = None
-    silent = None
     try:
         pid = int(within(min(args.timeout, ANSWER_TIMEOUT), mnt, lambda: read_stats(mnt))["pid"])
-    except NoAnswer as exc:
-        if not args.lazy:
-            raise
-        silent = exc
+    except NoAnswer:
+        raise
     except (QuietError, OSError, ValueError, KeyError, TypeError):
         pass  # a dead daemon (ENOTCONN) is unmounted all the same
-    cmd = ["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise QuietError(
-            f"unmounting {mnt}: fusermount3 did not finish", EXIT_NOT_SHADEFS
-        ) from None
-    if res.returncode != 0:
-        msg = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
-        raise QuietError(f"unmounting {mnt}: {msg}", EXIT_NOT_SHADEFS)
-    if silent is not None:
-        # Detached: the daemon exits once it runs again and finds its mount gone.
-        print(f"shadefs: detached {mnt}; its daemon did not answer (stopped?)", file=sys.stderr)
-        return 0
+    _fusermount(mnt, [], args.timeout)
     if pid is not None:
         deadline = time.monotonic() + args.timeout
         while _alive(pid):
@@ -152,6 +163,21 @@ def cmd_umount(args: argparse.Namespace) -> int:
                 )
             time.sleep(0.05)
     return 0
+
+
+def _fusermount(mnt: str, flags: list[str], timeout: float) -> None:
+    """`fusermount3 -u FLAGS MNT`, or QuietError saying why it failed."""
+    try:
+        res = subprocess.run(
+            ["fusermount3", "-u", *flags, mnt], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise QuietError(
+            f"unmounting {mnt}: fusermount3 did not finish", EXIT_NOT_SHADEFS
+        ) from None
+    if res.returncode != 0:
+        msg = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
+        raise QuietError(f"unmounting {mnt}: {msg}", EXIT_NOT_SHADEFS)
 
 
 def _alive(pid: int) -> bool:
@@ -193,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "warmup":
             from shadefs.ops import warmup
 
+            client = ControlClient(args.mountpoint)
+            within(args.timeout, client.mountpoint, client.check)  # a stopped daemon: exit 7
             return warmup.run(args)
     except QuietError as exc:
         print(f"shadefs: error: {exc}", file=sys.stderr)

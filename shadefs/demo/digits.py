@@ -53,6 +53,7 @@ class EpochRecord:
     hit_ratio: float | None = None
     hits: int | None = None
     misses: int | None = None
+    kernel_hits: int | None = None  # misses the kernel served from its pages (stats.json)
     bytes_from_source: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -244,8 +245,11 @@ def train(
             if before is not None and after is not None:
                 rec.hits = int(after["hits"]) - int(before["hits"])
                 rec.misses = int(after["misses"]) - int(before["misses"])
+                rec.kernel_hits = int(after["kernel_hits"]) - int(before["kernel_hits"])
                 opens = rec.hits + rec.misses
-                rec.hit_ratio = rec.hits / opens if opens else 0.0
+                # Served without a fetch: the tiers' hits and the kernel's (a kernel hit is
+                # counted at its release, which may fall after the epoch's last stats read).
+                rec.hit_ratio = min(1.0, (rec.hits + rec.kernel_hits) / opens) if opens else 0.0
                 rec.bytes_from_source = int(after["bytes_from_source"]) - int(
                     before["bytes_from_source"]
                 )
@@ -263,7 +267,8 @@ def train(
 
 
 def hit_ratio(records: list[EpochRecord], first: int = 1) -> float:
-    """Hits over opens of epochs ``first..`` (0-based), cold misses included."""
-    hits = sum(r.hits or 0 for r in records[first:])
-    opens = hits + sum(r.misses or 0 for r in records[first:])
+    """Hits (the tiers' and the kernel's) over opens of epochs ``first..`` (0-based), cold
+    misses included."""
+    hits = sum((r.hits or 0) + (r.kernel_hits or 0) for r in records[first:])
+    opens = sum((r.hits or 0) + (r.misses or 0) for r in records[first:])
     return hits / opens if opens else 0.0

@@ -46,6 +46,14 @@ class EpochPoint(Protocol):
     def hits(self) -> int | None: ...
     @property
     def misses(self) -> int | None: ...
+    @property
+    def kernel_hits(self) -> int | None: ...
+
+
+def served_without_fetch(epochs: Sequence[EpochPoint]) -> tuple[int, int]:
+    """(opens served without a fetch: the tiers' hits and the kernel's, opens) of `epochs`."""
+    hits = sum((e.hits or 0) + (e.kernel_hits or 0) for e in epochs)
+    return hits, sum((e.hits or 0) + (e.misses or 0) for e in epochs)
 
 
 @dataclass(frozen=True)
@@ -71,10 +79,9 @@ def mean_epoch_time(epochs: Sequence[EpochPoint]) -> float:
 
 
 def later_hit_ratio(epochs: Sequence[EpochPoint]) -> float:
-    """Hits over opens of epochs 2.. (epoch 1 when alone), as the demo's summary counts them."""
-    later = _later(epochs)
-    hits = sum(e.hits or 0 for e in later)
-    opens = hits + sum(e.misses or 0 for e in later)
+    """Hits (the tiers' and the kernel's) over opens of epochs 2.. (epoch 1 when alone), as
+    the demo's summary counts them."""
+    hits, opens = served_without_fetch(_later(epochs))
     return hits / opens if opens else math.nan
 
 

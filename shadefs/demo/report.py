@@ -15,7 +15,14 @@ import logging
 import math
 from collections.abc import Sequence
 
-from shadefs.demo.plot import EpochPoint, Run, final_accuracy, later_hit_ratio, mean_epoch_time
+from shadefs.demo.plot import (
+    EpochPoint,
+    Run,
+    final_accuracy,
+    later_hit_ratio,
+    mean_epoch_time,
+    served_without_fetch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +80,7 @@ def epoch_table(runs: Sequence[Run]) -> list[str]:
 
 
 def _all_hit_ratio(epochs: Sequence[EpochPoint]) -> float:
-    hits = sum(e.hits or 0 for e in epochs)
-    opens = hits + sum(e.misses or 0 for e in epochs)
+    hits, opens = served_without_fetch(epochs)
     return hits / opens if opens else math.nan
 
 

@@ -11,6 +11,9 @@ and charges every request what such a server would (``shadefs.demo.slowfs_ops``)
 * ``--jitter FRACTION`` scales each latency by a random factor in [1-F, 1+F];
 * ``--dir-timeout S`` lets the kernel cache a directory's attributes and entries for S
   seconds (default 1), as NFS clients do (acdirmin); a file's are never cached.
+* ``--hang-on KINDS`` (``open``, ``read``, ``readdir``, comma-separated): SIGUSR1 makes
+  those requests hang until SIGUSR2, as a server that stops answering one kind of request
+  (SIGSTOP hangs all of them, the emulator's stats included).
 
 Latencies are ``trio.sleep`` calls, so concurrent requests overlap like requests queued
 on a real server: one request's latency never delays another's. The emulator's own CPU
@@ -41,7 +44,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from shadefs.demo.slowfs_ops import SlowOperations
+from shadefs.demo.slowfs_ops import HANG_KINDS, SlowOperations
 
 # Run with -m, this module is __main__: name its logger after it all the same.
 log = logging.getLogger("shadefs.demo.slowfs")
@@ -98,6 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="allow readahead and mmap within one open (the cache is still dropped on every open)",
     )
+    parser.add_argument(
+        "--hang-on",
+        default="",
+        metavar="KINDS",
+        help="comma-separated request kinds (open, read, readdir) that hang from SIGUSR1 "
+        "until SIGUSR2",
+    )
     parser.add_argument("--allow-other", action="store_true", help="let other users read")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -120,6 +130,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("open_latency", "read_latency", "meta_latency", "bandwidth", "dir_timeout"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
+    args.hang_on = frozenset(filter(None, args.hang_on.split(",")))
+    if not args.hang_on <= HANG_KINDS:
+        parser.error(f"--hang-on takes {', '.join(sorted(HANG_KINDS))}")
     if not 0 <= args.jitter <= 1:
         parser.error("--jitter must be between 0 and 1")
     if not os.path.isdir(args.source):
@@ -164,11 +177,13 @@ def _detach_stdio(log_file: str | None) -> None:
     os.close(devnull)
 
 
-async def _serve(ready_fd: int | None, log_file: str | None) -> None:
+async def _serve(ops: SlowOperations, ready_fd: int | None, log_file: str | None) -> None:
     # Install the handlers before reporting ready, so that a caller may signal at once.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(
+        signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2
+    ) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_unmount_on_signal, signals)
+            nursery.start_soon(_on_signals, ops, signals)
             if ready_fd is not None:
                 _detach_stdio(log_file)
                 os.write(ready_fd, b"ready")
@@ -180,8 +195,16 @@ async def _serve(ready_fd: int | None, log_file: str | None) -> None:
             nursery.cancel_scope.cancel()
 
 
-async def _unmount_on_signal(signals: Any) -> None:
+async def _on_signals(ops: SlowOperations, signals: Any) -> None:
     async for signum in signals:
+        if signum == signal.SIGUSR1:
+            ops.hang()
+            log.info("SIGUSR1: %s requests hang", ",".join(sorted(ops.hang_on)) or "no")
+            continue
+        if signum == signal.SIGUSR2:
+            ops.resume()
+            log.info("SIGUSR2: requests answer again")
+            continue
         log.info("%s received, unmounting", signal.Signals(signum).name)
         pyfuse3.terminate()
         return
@@ -203,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jitter=args.jitter,
         direct_io=args.direct_io,
         dir_timeout=args.dir_timeout,
+        hang_on=args.hang_on,
     )
     options = set(pyfuse3.default_options)
     options |= {"fsname=slowfs", "subtype=slowfs", "ro"}
@@ -225,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.bandwidth or "unlimited",
     )
     try:
-        trio.run(_serve, ready_fd, args.log)
+        trio.run(_serve, ops, ready_fd, args.log)
     finally:
         # Unmounting is safe after an external unmount too: libfuse notices the closed
         # channel and skips it.

@@ -33,6 +33,8 @@ from shadefs.fs.records import statfs_reply
 log = logging.getLogger(__name__)
 
 STATS_XATTR = b"user.slowfs.stats"
+#: The kinds of request that can be made to hang (`SlowOperations.hang`).
+HANG_KINDS = frozenset({"open", "read", "readdir"})
 
 
 def _fuse_error(exc: OSError) -> pyfuse3.FUSEError:
@@ -91,8 +93,11 @@ class SlowOperations(pyfuse3.Operations):
         jitter: float = 0.0,
         direct_io: bool = True,
         dir_timeout: float = 0.0,
+        hang_on: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
+        self.hang_on = hang_on  # the kinds of request that `hang` stops
+        self._resumed: trio.Event | None = None  # set by `resume`; None while not hanging
         self.dir_timeout = dir_timeout
         self.source = os.path.abspath(source)
         self.open_latency = open_latency
@@ -117,6 +122,23 @@ class SlowOperations(pyfuse3.Operations):
         self._started = self._last_read = (time.monotonic(), _cpu_seconds())
 
     # -- helpers ---------------------------------------------------------------------
+
+    def hang(self) -> None:
+        """Stop answering the `hang_on` kinds of request until `resume`: a server that
+        stops answering some requests but not others."""
+        if self._resumed is None:
+            self._resumed = trio.Event()
+
+    def resume(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
+    async def _gate(self, kind: str) -> None:
+        """Wait while requests of `kind` hang."""
+        resumed = self._resumed
+        if resumed is not None and kind in self.hang_on:
+            await resumed.wait()
 
     def _scaled(self, seconds: float) -> float:
         if self.jitter and seconds > 0:
@@ -226,6 +248,7 @@ class SlowOperations(pyfuse3.Operations):
             raise _fuse_error(exc) from None
 
     async def opendir(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> FileHandleT:
+        await self._gate("readdir")
         path = self._path_of(inode)
         try:
             # Snapshot the listing so that offsets stay stable across readdir calls.
@@ -239,6 +262,7 @@ class SlowOperations(pyfuse3.Operations):
 
     async def readdir(self, fh: FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         self.stats["readdirs"] += 1
+        await self._gate("readdir")
         await self._delay(self.meta_latency)
         parent, names = self._listings[fh]
         for index in range(start_id, len(names)):
@@ -270,6 +294,7 @@ class SlowOperations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         self.stats["opens"] += 1
+        await self._gate("open")
         await self._delay(self.open_latency)
         try:
             fd = os.open(self._path_of(inode), os.O_RDONLY | os.O_CLOEXEC)
@@ -282,6 +307,7 @@ class SlowOperations(pyfuse3.Operations):
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         self.stats["reads"] += 1
+        await self._gate("read")
         try:
             # The source is a local disk: pread returns in microseconds, and a thread
             # hop per read would cost more than the call itself.

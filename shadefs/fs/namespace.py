@@ -87,7 +87,8 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         #: directory inode -> the slot of its current snapshot
         self.listings: dict[int, int] = {}
         self._init_numbers()
-        self._listing_flights: dict[int, trio.Event] = {}
+        # A listing in flight per directory: its end, and its error (EIO: shared, below).
+        self._listing_flights: dict[int, tuple[trio.Event, list[int]]] = {}
         # What opens read of a node, for its next open (fs/opened.py): dropped when its row,
         # stat or path changes (`_changed`: _move, forget, fresh_stat, stale, claim).
         self._init_records()
@@ -324,7 +325,12 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
             flight = self._listing_flights.get(ino)
             if flight is None:
                 break
-            await flight.wait()
+            await flight[0].wait()
+            if errno.EIO in flight[1]:
+                # The source did not answer the listing that this one waited for; it fails
+                # too, rather than list again and wait one more timeout after it (and each
+                # waiter after the one before).
+                raise pyfuse3.FUSEError(errno.EIO)
             slot = self.listings.get(ino)
             if slot is not None:
                 snap = self._snaps[slot]
@@ -335,16 +341,19 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         if not stat.S_ISDIR(int(dsnap.rows["st_mode"][di])):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         path = dsnap.child_path(di)
-        flight = self._listing_flights[ino] = trio.Event()
+        flight = self._listing_flights[ino] = (trio.Event(), [])
         try:
             st_ino = int(dsnap.rows["st_ino"][di])
             names, rows, devs = await self.source.run(self._scan_dir, path, st_ino)
+        except pyfuse3.FUSEError as exc:
+            flight[1].append(exc.errno)
+            raise
         except _Moved:
             # (The daemon's own listing leaves the kernel's entries to its own requests.)
             raise (pyfuse3.FUSEError(errno.ESTALE) if quiet else self.stale(ino)) from None
         finally:
             del self._listing_flights[ino]
-            flight.set()
+            flight[0].set()
         snap = Snapshot(ino, path, names, rows, self._inos(rows, devs), time.monotonic())
         # The kernel may have forgotten the directory while we listed it.
         if ino in self.table:

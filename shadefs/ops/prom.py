@@ -107,13 +107,18 @@ METRICS: tuple[Sample, ...] = (
     _c("counters.bytes_served", "bytes_served", "Bytes returned to readers"),
     _c("counters.passthrough_opens", "passthrough_opens", "Opens served straight from the source"),
     _c("counters.control_errors", "control_errors", "Control writes rejected with EINVAL"),
+    _c(
+        "counters.kernel_hits",
+        "kernel_hits",
+        "Misses the kernel served from its own pages (deferred opens released unread)",
+    ),
     _g(
         "counters.no_open",
         "kernel_hits_mode",
         "1 when the kernel opens files itself (--kernel-hits): hits and misses count only "
         "the files whose pages the daemon served",
     ),
-    _g("hit_ratio", "hit_ratio", "Hits over opens since the mount"),
+    _g("hit_ratio", "hit_ratio", "Opens served without a fetch (tier and kernel hits) over opens"),
     _g("uptime_s", "uptime_seconds", "Seconds since the mount"),
     _g("loop_lag_max_ms", "loop_lag_max_ms", "Worst delay of a 10 ms loop timer since last read"),
     _c("source.bytes_read", "bytes_from_source", "Bytes read from the source tree"),
@@ -121,6 +126,17 @@ METRICS: tuple[Sample, ...] = (
     _c("source.inline_reads", "source_inline_reads", "Files read without a worker thread"),
     _c("source.errors", "source_errors", "Source calls that failed"),
     _g("source.healthy", "source_healthy", "1 when the source answers, 0 when it does not"),
+    _g("source.threads_busy", "source_threads_busy", "Worker threads in a source call now"),
+    _g(
+        "source.threads_stuck",
+        "source_threads_stuck",
+        "Worker threads still in a source call that timed out (held until it returns)",
+    ),
+    _c(
+        "source.queue_timeouts",
+        "source_queue_timeouts",
+        "Source calls that timed out waiting for a worker thread",
+    ),
     _c("namespace.revalidations", "revalidations", "Namespace revalidations against the source"),
     _c("namespace.changed_files", "changed_files", "Files found changed in the source"),
     _g("namespace.inodes_known", "inodes_known", "Inodes in the namespace table"),

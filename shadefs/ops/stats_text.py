@@ -14,7 +14,8 @@ def render_text(s: Stats) -> str:
         f"shadefs {src.root} -> {s.mountpoint} (pid {s.pid}, up {s.uptime_s:.0f} s)",
         f"policy        {cache.policy.name}  "
         + " ".join(f"{k}={v}" for k, v in state.items() if k != "name"),
-        f"opens         {s.opens}  hits {c.hits}  misses {c.misses}  hit ratio {s.hit_ratio:.3f}"
+        f"opens         {s.opens}  hits {c.hits}  misses {c.misses} (of which kernel hits "
+        f"{c.kernel_hits})  hit ratio {s.hit_ratio:.3f}"
         + ("  (kernel hits on: only the files the kernel asked for)" if c.no_open else ""),
         f"ram           {format_size(cache.ram.bytes)} of {format_size(cache.ram.capacity)} "
         f"in {s.files_cached} files (max entry {format_size(cache.max_entry)})",
@@ -26,7 +27,8 @@ def render_text(s: Stats) -> str:
         f"bytes         served {format_size(c.bytes_served)}  "
         f"from source {format_size(src.bytes_read)}",
         f"source        {'healthy' if src.healthy else 'NOT ANSWERING'}  "
-        f"timeouts {src.timeouts}  errors {src.errors}",
+        f"timeouts {src.timeouts}  errors {src.errors}  threads busy {src.threads_busy}, "
+        f"stuck {src.threads_stuck}",
         f"namespace     {ns.inodes_known} inodes known, {ns.directories_listed} dirs listed",
     ]
     if cache.ssd is not None:

@@ -42,11 +42,14 @@ def watch(
     *,
     iterations: int | None = None,
     out: IO[str] = sys.stdout,
+    ask: Callable[[Callable[[], Stats]], Stats] | None = None,
 ) -> int:
-    """Show the stats of `mountpoint` every `interval` s (`iterations` frames, or forever)."""
+    """Show the stats of `mountpoint` every `interval` s (`iterations` frames, or forever).
+    `ask(read)`: each read of the stats made through it (the command line's time limit on a
+    daemon that does not answer)."""
     if interval <= 0:
         raise QuietError(f"the interval must be positive, got {interval}")
-    frames = _frames(mountpoint, interval, iterations)
+    frames = _frames(mountpoint, interval, iterations, ask)
     try:
         if out.isatty():
             # No refresh thread: each frame is drawn once, when its snapshot is read.
@@ -82,7 +85,10 @@ def read(mountpoint: str) -> Stats:
 
 
 def _frames(
-    mountpoint: str, interval: float, iterations: int | None
+    mountpoint: str,
+    interval: float,
+    iterations: int | None,
+    ask: Callable[[Callable[[], Stats]], Stats] | None = None,
 ) -> Iterator[tuple[Stats | None, Stats, float]]:
     """(previous snapshot or None, snapshot, seconds between them), on a fixed grid."""
     prev: Stats | None = None
@@ -90,7 +96,7 @@ def _frames(
     frames = 0
     start = time.monotonic()
     while True:
-        cur = read(mountpoint)
+        cur = read(mountpoint) if ask is None else ask(lambda: read(mountpoint))
         now = time.monotonic()
         if prev is not None and cur.pid != prev.pid:
             prev = None  # a remounted daemon: its counters restarted from zero
@@ -129,12 +135,15 @@ class _Rates:
         return None if d is None or self.dt is None else d / self.dt
 
     def ratio(self) -> float | None:
-        """Hits over opens within the interval, None if nothing was opened."""
+        """Opens served without a fetch (the tiers' hits and the kernel's) over opens within
+        the interval, None if nothing was opened. A kernel hit is known at its release,
+        maybe an interval after its open: the ratio is capped at 1."""
         hits = self.delta(lambda s: s.counters.hits)
+        kernel = self.delta(lambda s: s.counters.kernel_hits)
         misses = self.delta(lambda s: s.counters.misses)
         if hits is None or misses is None or hits + misses == 0:
             return None
-        return hits / (hits + misses)
+        return min(1.0, (hits + (kernel or 0)) / (hits + misses))
 
 
 def _overall(s: Stats) -> float | None:
@@ -188,6 +197,8 @@ def view(prev: Stats | None, cur: Stats, dt: float, *, interval: float | None = 
     counters.add_column("total", justify="right")
     counters.add_row("opens", f"{_f(opens)}/s", str(cur.opens))
     counters.add_row("hits", f"{_f(hits)}/s", str(c.hits))
+    kernel = r.rate(lambda s: s.counters.kernel_hits)
+    counters.add_row("kernel hits", f"{_f(kernel)}/s", str(c.kernel_hits))
     counters.add_row("misses", f"{_f(misses)}/s", str(c.misses))
     counters.add_row("hit ratio", _f(r.ratio(), ".3f"), _f(_overall(cur), ".3f"))
     counters.add_row(
@@ -306,6 +317,7 @@ def render_line(prev: Stats | None, cur: Stats, dt: float) -> str:
     parts = [
         f"opens/s {_f(opens)}",
         f"hits/s {_f(hits)}",
+        f"kernel hits/s {_f(r.rate(lambda s: s.counters.kernel_hits))}",
         f"hit {_f(r.ratio(), '.3f')} (all {_f(_overall(cur), '.3f')})",
         f"served {_bps(r.rate(lambda s: s.counters.bytes_served))}",
         f"source {_bps(r.rate(lambda s: s.source.bytes_read))}",

@@ -30,9 +30,8 @@ import signal
 import stat
 from collections import Counter
 
-import trio
-
 import pyfuse3
+import trio
 from pyfuse3 import FileHandleT, InodeT
 
 _TIMEOUT = 1e6  # seconds: the tree never changes while it is mounted

@@ -1,0 +1,259 @@
+"""A source that stops answering: many concurrent misses, hits, stats, recovery.
+
+    python tools/bench/bench_hang.py [--hang stop|open|read|readdir] [--misses 200]
+                                     [--timeout 2] [--threads 32] [--waves 2]
+
+The source is the slow-remote emulator (shadefs/demo/slowfs.py, no added latency) over a
+local tree, mounted under shadefs with `--source-timeout`, `--source-threads` and no
+speculation (which would stage the cold files before the outage). After the hot files are
+read (hits from then on), the emulator stops answering: `stop` is SIGSTOP (every request
+hangs, as an NFS server that is gone), `open`, `read` and `readdir` hang only that kind of
+request (the emulator's `--hang-on`, SIGUSR1). Then `--waves` waves of `--misses` readers
+each open and read a file never read before, all at once (for `readdir`, each lists its
+directory, never listed before, first: a lookup by name needs no listing), while a prober
+reads hot files and runs `shadefs stat`. Then the source answers again (SIGCONT, SIGUSR2):
+the time to the first good miss, 20 misses after it, and the daemon's thread count against
+its count before the outage.
+
+It prints each figure with what the issue asks of it (issue 36's "must show"); it asserts
+nothing. Figures are wall time on whatever machine runs it: say whether it was shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import errno
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import SHADEFS, mounted, slowfs_mounted, stats
+
+_HOT = 20
+_AFTER = 21
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads line")
+
+
+def _make(src: Path, misses: int, waves: int) -> tuple[list[str], list[list[str]], list[str]]:
+    """Hot files in hot/, and one file per directory for each miss and each later read."""
+    data = os.urandom(20_000)
+    hot = []
+    for i in range(_HOT):
+        rel = f"hot/h{i:03d}"
+        hot.append(rel)
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data[i:] + data[:i])
+    cold = []
+    for w in range(waves):
+        wave = []
+        for i in range(misses):
+            rel = f"cold{w}/d{i:04d}/f"
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes(data[: 10_000 + i])
+            wave.append(rel)
+        cold.append(wave)
+    after = []
+    for i in range(_AFTER):
+        rel = f"after/d{i:04d}/f"
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data[: 5_000 + i])
+        after.append(rel)
+    return hot, cold, after
+
+
+def _read(path: Path, listing: bool = False) -> tuple[float, int | None]:
+    """(seconds, errno or None) of one open and read; `listing`: its directory listed first."""
+    t0 = time.monotonic()
+    try:
+        if listing:
+            os.listdir(path.parent)
+        path.read_bytes()
+    except OSError as exc:
+        return time.monotonic() - t0, exc.errno
+    return time.monotonic() - t0, None
+
+
+def _stats(mnt: Path) -> dict[str, Any]:
+    """stats.json, or {} when the daemon does not answer within 10 s (a mount whose request
+    tasks are all held by misses reads no request, stats.json included)."""
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(stats(mnt)), daemon=True)
+    t.start()
+    t.join(10)
+    return box
+
+
+def _read_together(
+    barrier: threading.Barrier, path: Path, listing: bool
+) -> tuple[float, int | None]:
+    barrier.wait()  # all readers start at once
+    return _read(path, listing)
+
+
+def _probe(mnt: Path, hot: list[str], stop: Any, out: Any) -> None:
+    """In a process of its own (the misses' 200 threads share nothing with it): read hot
+    files and run `shadefs stat` until `stop`; send the latencies and the stuck peak."""
+    hits: list[float] = []
+    hit_errors = 0
+    stat_times: list[float] = []
+    stat_failures = 0
+    stuck_max = 0
+    i = 0
+    while not stop.is_set():
+        took, err = _read(mnt / hot[i % len(hot)])
+        hits.append(took)
+        hit_errors += err is not None
+        i += 1
+        if i % 10 == 0:
+            t0 = time.monotonic()
+            res = subprocess.run(
+                [*SHADEFS, "stat", str(mnt), "--json", "--timeout", "5"],
+                capture_output=True,
+                text=True,
+            )
+            stat_times.append(time.monotonic() - t0)
+            stat_failures += res.returncode != 0
+            if res.returncode == 0:
+                doc = json.loads(res.stdout)
+                stuck_max = max(stuck_max, doc.get("source_threads_stuck", -1))
+        time.sleep(0.02)
+    out.send((hits, hit_errors, stat_times, stat_failures, stuck_max))
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _resume(mode: str, pid: int) -> None:
+    os.kill(pid, signal.SIGCONT if mode == "stop" else signal.SIGUSR2)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    src, remote, mnt = tmp / "src", tmp / "remote", tmp / "mnt"
+    hot, cold, after = _make(src, args.misses, args.waves)
+    opts = ["--open-latency", "0", "--meta-latency", "0", "--bandwidth", "0"]
+    if args.hang != "stop":
+        opts += ["--hang-on", args.hang]
+    with slowfs_mounted(src, remote, opts) as (_, slow_pid):
+        extra = ["--source-timeout", str(args.timeout), "--source-threads", str(args.threads)]
+        with mounted(remote, mnt, "--ram", "256M", "--no-speculate", *extra):
+            pid = int(stats(mnt)["pid"])
+            for rel in hot:
+                (mnt / rel).read_bytes()
+            if args.hang != "readdir":
+                for _ in os.walk(mnt):  # the tree is listed: misses need no listing
+                    pass
+            time.sleep(11)  # trio's idle worker threads end after 10 s
+            before = _threads(pid)
+            print(f"mode {args.hang}: daemon threads before the outage: {before}")
+            os.kill(slow_pid, signal.SIGSTOP if args.hang == "stop" else signal.SIGUSR1)
+            resumed = False
+            try:
+                stop, (got_probe, send_probe) = mp.Event(), mp.Pipe(duplex=False)
+                prober = mp.Process(target=_probe, args=(mnt, hot, stop, send_probe))
+                prober.start()
+                for w, wave in enumerate(cold):
+                    barrier = threading.Barrier(len(wave))
+
+                    pool = concurrent.futures.ThreadPoolExecutor(len(wave))
+                    futures = [
+                        pool.submit(_read_together, barrier, mnt / rel, args.hang == "readdir")
+                        for rel in wave
+                    ]
+                    done, pending = concurrent.futures.wait(futures, timeout=10 * args.timeout)
+                    pool.shutdown(wait=False)
+                    got = [f.result() for f in done]
+                    worst = max((t for t, _ in got), default=0.0)
+                    eio = sum(e == errno.EIO for _, e in got)
+                    other = sorted({e or 0 for _, e in got if e != errno.EIO})
+                    print(
+                        f"  wave {w + 1}: {len(wave)} concurrent misses: {eio} EIO, other "
+                        f"outcomes (errno, 0: read) {other or 'none'}; slowest {worst:.2f} s; "
+                        f"{len(pending)} still waiting after {10 * args.timeout:g} s "
+                        f"(asked: every one EIO within {2 * args.timeout:g} s)"
+                    )
+                    if pending:
+                        break
+                s = _stats(mnt)
+                stop.set()
+                hits, hit_errors, stat_times, stat_failures, stuck_max = got_probe.recv()
+                prober.join()
+                print(
+                    f"  hits during the outage: {len(hits)}, errors {hit_errors}, median "
+                    f"{_pct(hits, 0.5) * 1e3:.1f} ms, p99 {_pct(hits, 0.99) * 1e3:.1f} ms, "
+                    f"slowest {max(hits, default=0) * 1e3:.1f} ms (asked: < 100 ms)"
+                )
+                print(
+                    f"  shadefs stat during the outage: {len(stat_times)} runs, "
+                    f"{stat_failures} failed, slowest {max(stat_times, default=0):.2f} s"
+                )
+                print(
+                    f"  stats: threads_stuck {s.get('source_threads_stuck')} (peak seen "
+                    f"{stuck_max}, of {args.threads}), threads_busy "
+                    f"{s.get('source_threads_busy')}, "
+                    f"queue_timeouts {s.get('source_queue_timeouts')}, "
+                    f"timeouts {s.get('source_timeouts')}; daemon threads {_threads(pid)}"
+                )
+                t_resume = time.monotonic()
+                _resume(args.hang, slow_pid)
+                resumed = True
+            finally:
+                if not resumed:
+                    _resume(args.hang, slow_pid)
+            first = None
+            while time.monotonic() - t_resume < 30:
+                took, err = _read(mnt / after[0])
+                if err is None:
+                    first = time.monotonic() - t_resume
+                    break
+                time.sleep(0.05)
+            print(
+                f"  first good miss {first if first is None else round(first, 2)} s after "
+                "the source answers (asked: within 5 s)"
+            )
+            with concurrent.futures.ThreadPoolExecutor(_AFTER - 1) as pool:
+                got = list(pool.map(lambda rel: _read(mnt / rel), after[1:]))
+            good = sum(e is None for _, e in got)
+            print(f"  then {len(got)} concurrent misses: {good} good (asked: all)")
+            t0 = time.monotonic()
+            while _threads(pid) > before and time.monotonic() - t0 < 30:
+                time.sleep(0.2)
+            s = _stats(mnt)
+            print(
+                f"  daemon threads {_threads(pid)} after {time.monotonic() - t0:.1f} s "
+                f"(before the outage: {before}); threads_stuck {s.get('source_threads_stuck')}, "
+                f"threads_busy {s.get('source_threads_busy')}, healthy {s.get('source_healthy')}"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hang", choices=["stop", "open", "read", "readdir"], default="stop")
+    ap.add_argument("--misses", type=int, default=200)
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=32)
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        run(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
