@@ -67,10 +67,11 @@ def test_mirror_is_exact(awkward_tree: Path, mounter) -> None:
     stats = m.stats()
     assert stats["ram_bytes"] <= stats["ram_capacity"] == 1 << 20
     if KERNEL_HITS:
-        # The kernel served the later passes from its pages, without asking the daemon:
-        # no hit to count, and the source read once.
+        # The kernel serves the later passes from the pages it kept, without asking the
+        # daemon: no hit to count, and far less from the source than three passes (pages
+        # the kernel lost under memory pressure are read again).
         tree = sum(p.stat().st_size for p in awkward_tree.rglob("*") if p.is_file())
-        assert stats["no_open"] and stats["bytes_from_source"] <= tree
+        assert stats["no_open"] and stats["bytes_from_source"] < 2 * tree
     else:
         assert stats["hits"] > 0
 
