@@ -46,7 +46,8 @@ demo: setup
 # control directory and the sampler's channel. (tests/test_kernel_hits_mount.py runs the
 # mode in the first pass too.)
 KERNEL_HITS_TESTS := tests/test_mount.py tests/test_identity_mount.py \
-	tests/test_identity_race_mount.py tests/test_security.py tests/test_sampler_mount.py
+	tests/test_identity_race_mount.py tests/test_security.py tests/test_sampler_mount.py \
+	tests/test_ssd_mount.py::test_hanging_source_serves_hits_and_fails_misses_in_time
 
 test: setup
 	$(VENV)/bin/ruff check shadefs tests tools examples

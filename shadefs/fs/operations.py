@@ -62,6 +62,10 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 _REPUSH = 64
 # Under kernel hits: files whose handle is kept between their READs (`_read_node`), at most.
 _PARTIAL = 64
+# Under kernel hits, a READ that failed with EIO fails again at once for this long: the
+# kernel retries a failed read-ahead READ with a READ of its own, which would wait for a hung
+# source's timeout a second time.
+_RETRY_WINDOW = 1.0
 
 
 @guard_handlers
@@ -101,6 +105,7 @@ class Operations(ReadOnly):
         self._next: dict[FileHandleT, int] = {}  # pass-through: where the last read ended
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
         self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
+        self._failed: dict[int, float] = {}  # kernel hits: inode -> when a READ of it failed
         # Misses fetched at their first read, where the kernel may hold the pages.
         self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
@@ -428,7 +433,15 @@ class Operations(ReadOnly):
         # past _PARTIAL.
         got = self._partial.get(inode)
         if got is None:
-            fh = (await self._open(inode, os.O_RDONLY, KernelContext())).fh
+            failed = self._failed.get(inode)
+            if failed is not None and time.monotonic() - failed < _RETRY_WINDOW:
+                raise pyfuse3.FUSEError(errno.EIO)  # (the kernel's retry of a failed READ)
+            try:
+                fh = (await self._open(inode, os.O_RDONLY, KernelContext())).fh
+            except pyfuse3.FUSEError as exc:
+                if exc.errno == errno.EIO:
+                    self._failed_read(inode)
+                raise
             got = self._partial.setdefault(inode, [fh, 0, 0])
             if got[0] != fh:
                 await self._release(fh)  # (another READ of it opened first)
@@ -447,6 +460,12 @@ class Operations(ReadOnly):
         if got[2] or inode in self._verified:  # (verified: the next READs are served above)
             await self._let_go(inode, got)
         return chunk
+
+    def _failed_read(self, inode: int) -> None:
+        now = time.monotonic()
+        if len(self._failed) >= _PARTIAL:
+            self._failed = {i: t for i, t in self._failed.items() if now - t < _RETRY_WINDOW}
+        self._failed[inode] = now
 
     async def _let_go(self, inode: int, got: list[int] | None = None) -> None:
         """Release `inode`'s kept handle (`_read_node`) if no READ uses it (and it is
