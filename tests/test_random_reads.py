@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from shadefs.cache.extents import EXTENT, Extents, streak
+from shadefs.cache.extents import EXTENT, STREAM_RUN, Extents, streak, streams
 from shadefs.cache.ssd_format import Signature
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs
@@ -196,9 +196,20 @@ async def test_read_ahead_ramps_up_with_the_stream(tmp_path: Path) -> None:
 
 
 def test_sequential_judgement_and_the_extent_lru() -> None:
-    assert streak(1, 0, 0) == 2 and streak(2, 1 << 20, 1 << 20) == 3  # streams
-    assert streak(1, 0, 8192) == 0 and streak(5, 1 << 20, 0) == 0  # jumps
-    assert streak(0, 4096, 4096) == 1  # one read that follows a jump: not yet a stream
+    R = STREAM_RUN
+    assert streak(1, 0, 0, 0, R) == (2, R) and streams(2, R)  # cat's first read streams
+    assert streak(2, R, R, R, R + 4096) == (3, R + 4096)  # it goes on
+    assert streak(1, 0, 0, 0, 16384) == (2, 16384) and not streams(2, 16384)  # a meta page
+    # An LMDB value's overflow pages, faulted one by one: a run, but no stream.
+    reads, run = 0, 4096
+    for off in range(1 << 20, (1 << 20) + 3 * 4096, 4096):
+        reads, run = streak(reads, run, off, off, off + 4096)
+    assert (reads, run) == (3, 4 * 4096) and not streams(reads, run)
+    # A scan whose pages the kernel partly had: the gaps continue the run.
+    assert streak(5, R, 1 << 20, (1 << 20) + 3 * 4096, (1 << 20) + 4 * 4096) == (6, R + 4096)
+    assert streak(5, R, 1 << 20, 0, 4096) == (0, 4096)  # a jump back
+    assert streak(5, R, 0, R + 1, R + 4097) == (0, 4096)  # a jump ahead
+    assert streak(0, 4096, 4096, 4096, 8192) == (1, 8192)  # one read after a jump
     sig, other = Signature(9, 1, 1, 1), Signature(9, 2, 1, 1)
     ext = Extents(limit=10)
     ext.put(-1, 0, sig, b"aaaa")
@@ -351,7 +362,9 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
     rng = random.Random(10)
     big, blk = rng.randbytes(3 << 20), rng.randbytes(6 * BS)
     src = make_tree(tmp_path / "src", {"big": big, "blk": blk})
-    ops, svc = make_fs(src, ram=2 << 20, block_size=BS, max_entry=64 << 10)
+    ops, svc = make_fs(
+        src, ram=2 << 20, block_size=BS, max_entry=64 << 10, passthrough_above=2 << 20
+    )
     fi = await ops.open(await lookup_path(ops, "big"), os.O_RDONLY, CTX)  # read through
     for off in (0, 4096, 8192):  # a stream: the source's read-ahead helps
         assert await _pread(ops, fi.fh, off, 4096) == big[off : off + 4096]
@@ -362,8 +375,9 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
     await ops.release(fi.fh)
     calls.clear()
     fi = await ops.open(await lookup_path(ops, "blk"), os.O_RDONLY, CTX)
-    for off in (0, 4 * BS, 4 * BS + 4096, 4 * BS + 8192):  # stream, jump, then a stream again
-        assert await _pread(ops, fi.fh, off, 4096) == blk[off : off + 4096]
+    n = STREAM_RUN
+    for off in (0, 4 * BS, 4 * BS + n, 4 * BS + 2 * n):  # stream, jump, then a stream again
+        assert await _pread(ops, fi.fh, off, n) == blk[off : off + n]
     await ops.release(fi.fh)
     assert calls == [("shadefs.cache.blocks", True), ("shadefs.cache.blocks", False)]
 

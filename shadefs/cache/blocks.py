@@ -47,7 +47,7 @@ import trio
 from shadefs.cache.block_files import block_tier, count_open, drop_blocks
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak
+from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_BLOCK_SIZE", "BlockHandle", "Blocks"]
 
 DEFAULT_BLOCK_SIZE = 8 << 20
+NO_LIMIT = 1 << 62  # `passthrough_above` when the operator set none (stats.json: 0)
 
 
 class BlockHandle:
@@ -66,8 +67,8 @@ class BlockHandle:
     # fmt: off
     __slots__ = (
         "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
-        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending", "random",
-        "counted",
+        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "run", "checked", "pending",
+        "random", "counted", "pieces",
     )
     # fmt: on
 
@@ -91,10 +92,12 @@ class BlockHandle:
         self.cur_data = b""
         self.next_off = 0  # where the last read ended: the next one is sequential there
         self.streak = 1  # reads in a row that continued the last (cache/extents.py)
+        self.run = 0  # bytes of that run
         self.checked = -1e9  # when its last signed extent read began
         self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
         self.random = False  # as the source descriptor was last advised
         self.counted = False  # in the mount's hits or misses (by its first read)
+        self.pieces: set[int] = set()  # pieces whose read the policy heard of (extents.py)
 
 
 class Blocks:
@@ -124,7 +127,7 @@ class Blocks:
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
         # Random reads' extents (cache/extents.py), within a quarter of the window.
-        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4)
+        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4, cache)
         self.hits = self.ssd_loads = self.source_loads = 0
         self.read_ahead = self.revalidated = self.opens = 0
 
@@ -138,10 +141,12 @@ class Blocks:
 
     @property
     def passthrough_above(self) -> int:
-        """Files larger than this are read through: the operator's limit, else the budget."""
-        budget = self.cache.capacity + (self.cache.ssd.capacity if self.cache.ssd else 0)
+        """Files larger than this are read through, never cached: the operator's limit, by
+        default none. A file larger than the budget is cached in pieces and blocks, which
+        compete for the budget under the policy: its RAM share buys hits in proportion
+        (docs/benchmarks.md, "One large file read at random")."""
         limit = self._passthrough_above
-        return budget if limit is None else min(limit, budget)
+        return NO_LIMIT if limit is None else limit
 
     def takes(self, key: int, size: int) -> bool:
         """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
@@ -229,9 +234,9 @@ class Blocks:
         if not h.counted:
             h.counted = True
             count_open(self.cache, h.key, off // self.block_size)
-        h.streak = streak(h.streak, h.next_off, off)
+        h.streak, h.run = streak(h.streak, h.run, h.next_off, off, end)
         h.next_off = end
-        stream = h.streak >= 2
+        stream = streams(h.streak, h.run)
         if stream == h.random and h.fd >= 0:
             h.random = not stream
             advise(h.fd, h.random)
@@ -292,7 +297,12 @@ class Blocks:
         if h.cur == i:
             return h.cur_data
         data = await self._find(h, i)
-        h.cur, h.cur_data = i, data
+        entry = self.cache.entries.get(block_key(h.key, i))
+        if entry is None or entry.data is not data:
+            # Not kept by the RAM tier: the handle keeps it while it reads there. A read of
+            # a resident block elsewhere (a B-tree's leaf page amid a scan) must not drop
+            # it, or the scan's next read would load it again.
+            h.cur, h.cur_data = i, data
         return data
 
     async def _find(self, h: BlockHandle, i: int) -> bytes:
@@ -407,10 +417,14 @@ class Blocks:
             return False
         self.ahead_bytes += bs
         self.read_ahead += 1
-        nursery.start_soon(self._ahead, h, i)
+        nursery.start_soon(self._ahead, h, i, False)
         return True
 
-    async def _ahead(self, h: BlockHandle, i: int) -> None:
+    async def _ahead(self, h: BlockHandle, i: int, stage: bool = True) -> None:
+        """Load block i ahead of the reader; if the policy does not admit it, keep it for
+        the reader (`stage`: a stream's next blocks) or let it go (a random reader's block,
+        loaded for the tiers: it may never come back to it, and staged bytes hold the
+        window until it does)."""
         bs = self.block_size
         try:
             if h.closed:
@@ -424,7 +438,7 @@ class Blocks:
             return
         finally:
             self.ahead_bytes -= bs
-        if h.closed or i <= h.pos or block_key(h.key, i) in self.cache.entries:
+        if not stage or h.closed or i <= h.pos or block_key(h.key, i) in self.cache.entries:
             return  # gone, already taken by the reader (it joined the flight), or cached
         # Not admitted (the policy refused it): keep it for this reader, within the window.
         h.staged[i] = data
@@ -434,7 +448,7 @@ class Blocks:
         return BlockStats(
             block_size=self.block_size,
             threshold=self.threshold,
-            passthrough_above=self.passthrough_above,
+            passthrough_above=self._passthrough_above or 0,
             opens=self.opens,
             hits=self.hits,
             ssd_loads=self.ssd_loads,
@@ -446,4 +460,6 @@ class Blocks:
             extent_hits=self.ranges.extents.hits,
             extent_bytes=self.ranges.extents.bytes,
             revalidated=self.revalidated,
+            piece_hits=self.ranges.piece_hits,
+            pieces_admitted=self.ranges.pieces_admitted,
         )
