@@ -146,7 +146,7 @@ BLOCK_SIZE = Option(
 )
 PASSTHROUGH_ABOVE = Option[int | None](
     name="passthrough_above", default=None, parse=parse_size, metavar="SIZE",
-    help="files larger than this are read through", shown="RAM + SSD budget",
+    help="files larger than this are read through", shown="none",
     meaning="files larger than this are read through, never cached (`--max-entry`: no blocks)",
 )
 HANDLE_LIMIT = Option[int | None](

@@ -1,7 +1,8 @@
 """Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
 
 A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
-SSD tier's largest entry) and up to the pass-through limit is never fetched whole; nor is
+SSD tier's largest entry) and not above `--passthrough-above` (by default there is no such
+limit: a file larger than the whole budget is cached in part) is never fetched whole; nor is
 one the SSD tier would cache whole while open handles hold `--handle-limit` (`takes`). Each
 block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
 the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
@@ -18,7 +19,8 @@ or a miss (cache/block_files.py).
 Sequential or random (cache/extents.py): a handle streams while its reads continue one
 another. A random read of a block that is not resident and would not be kept gets the asked
 range rounded out to 32 KiB extents, never the whole block (kept in a small LRU within the
-read-ahead window); with room on the SSD tier, the block is loaded in the background too.
+read-ahead window, and offered to the RAM tier as pieces that compete for the budget under
+the policy); with room on the SSD tier, the block is loaded in the background too.
 
 Read-ahead: every streaming read of block i starts loading the next blocks, up to `window`
 bytes over all open files (the prefetch window). Opening a file fetches nothing: a reader
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 
 import pyfuse3
 import trio
@@ -197,6 +200,19 @@ class Blocks:
         return h, True
 
     async def release(self, h: BlockHandle) -> None:
+        if h.pending and h.fd >= 0:
+            # The extents read since the last signed read: one fstat proves them of the
+            # opened version, so a short pass (under CHECK_PERIOD) keeps its pieces too.
+            pending, h.pending = h.pending, []
+            h.users += 1
+            try:
+                st = await self.source.run(os.fstat, h.fd)
+            except pyfuse3.FUSEError:
+                st = None
+            finally:
+                h.users -= 1
+            if st is not None and Signature.of(st) == h.sig:
+                self.ranges.confirm(h, pending)
         h.closed = True
         h.cur_data = b""
         for data in h.staged.values():

@@ -185,6 +185,12 @@ class Ranges(Generic[H]):
                 ram.admit(pkey, piece, sig)
                 self.pieces_admitted += pkey in ram.entries
 
+    def confirm(self, h: H, pending: list[tuple[int, int, bytes]]) -> None:
+        """Keep `pending` (extents read unsigned by `h`): a signed read or an fstat of the
+        handle's descriptor proved the file unchanged since they were read."""
+        for k, x, d in pending:
+            self._keep(k, h.key, x, h.sig, d)
+
     async def read(self, h: H, i: int, off: int, end: int) -> bytes:
         """[off, end) of block i from its extents, fetching the missing ones in one read."""
         bs, ext = self.block_size, self.extent
@@ -206,8 +212,7 @@ class Ranges(Generic[H]):
             self.bytes += len(data)
             if clean:
                 if signed:
-                    for k, x, d in confirm:
-                        self._keep(k, h.key, x, h.sig, d)
+                    self.confirm(h, confirm)
                     self._keep(bkey, h.key, first, h.sig, data)
                 elif sum(len(d) for _, _, d in h.pending) < self.extents.limit:
                     h.pending.append((bkey, first, data))
