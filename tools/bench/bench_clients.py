@@ -8,12 +8,16 @@ Clients (each reads a dataset of about `--data` bytes, written once into a temp 
 - preads: 1,000 random 4 KiB preads over 4 x 12 MiB files held open (the issue's case,
   with `--ram 14M` rather than a fraction of the data);
 - lmdb: random gets of 4 KiB values (`lmdb`, readonly, lock=False);
-- h5py: random 16-row slices of a chunked 2-D float32 dataset;
+- lmdbpages: as training loaders open LMDB (readahead=False: a page per fault), 4,000
+  values of 6-14 KB (a ~48 MB data.mdb), 3,000 random gets then a full cursor scan;
+- h5py: random chunks (16 rows of a chunked 2-D float32 dataset, 64 KiB each);
 - memmap: random 4 KiB rows of a `.npy` through `np.load(mmap_mode="r")`;
 - parquet: `pq.read_table` of 4 files (footer first, then the column chunks, reopened);
 - fio: random 4k reads (`--io_size` a tenth of the data), then a sequential 1M read;
 - reread: 40 files read whole in a shuffled order each epoch, as a training loop does:
-  from epoch 2 the kernel holds the pages of the files that RAM evicted (fs/deferred.py).
+  from epoch 2 the kernel holds the pages of the files that RAM evicted (fs/deferred.py);
+- tar, sha256sum: `tar cf -` and `sha256sum` of an ImageFolder tree (1,500 files, 28 MiB):
+  sequential tools, whose first pass shows what the SSD tier's write-behind costs.
 
 A client whose package (or `fio`) is missing is skipped with a printed line. Setups, each
 over a local source (files in the page cache) and over the slow-remote emulator
@@ -21,7 +25,13 @@ over a local source (files in the page cache) and over the slow-remote emulator
 
 - direct: the client reads the source (the local tree or the emulator's mount);
 - ram: shadefs with RAM 30% of the data (the preads case: 14M);
-- ssd: the same RAM plus an SSD tier that holds the data.
+- ssd: the same RAM plus an SSD tier that holds the data;
+- through: the same RAM, large files read through (`--passthrough-above 1`).
+
+Printed too: source calls per client read by type (the emulator's reads, opens and
+metadata calls; client reads are gets, rows, chunks or preads), and the daemon's own
+counts (FUSE reads; block hits, piece hits, extent loads). `--rounds N` alternates the
+setups N times; `--mount-opts` adds shadefs options.
 
 Before each epoch the kernel's pages of the emulator's mount are dropped (fadvise; it opens
 its files without keep_cache anyway), so that direct reads reach the "remote". The mount's
@@ -46,12 +56,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from benchlib import drop_page_cache, mounted, slowfs_mounted, slowfs_stats, stats
+from benchlib import (
+    drop_page_cache,
+    make_dataset,
+    mounted,
+    slowfs_mounted,
+    slowfs_stats,
+    stats,
+)
 
 from shadefs.common import parse_size
 
 MiB = 1 << 20
-CLIENTS = ("preads", "lmdb", "lmdbpages", "h5py", "memmap", "parquet", "fio", "reread")
+CLIENTS = (
+    "preads", "lmdb", "lmdbpages", "h5py", "memmap", "parquet", "fio", "reread", "tar", "sha256sum"
+)  # fmt: skip
 Client = Callable[[Path, int], tuple[int, int]]  # (root, epoch) -> (bytes asked, client reads)
 # The emulator's counters that are source calls, by type (shadefs/demo/slowfs_ops.py).
 CALLS = ("reads", "opens", "getattrs", "lookups", "readdirs")
@@ -121,6 +140,8 @@ def make_data(root: Path, client: str, size: int) -> None:
     elif client == "fio":
         for i in range(4):
             (d / f"f{i}.bin").write_bytes(rng.randbytes(size // 4))
+    elif client in ("tar", "sha256sum"):  # an ImageFolder tree: 1,500 files, 28 MiB
+        make_dataset(d, 1500, 28 * MiB // 1500, jitter=0.5, seed=3)
     elif client == "reread":
         for i in range(40):
             (d / f"f{i:02}.bin").write_bytes(rng.randbytes(size // 40))
@@ -241,6 +262,24 @@ def run_reread(root: Path, epoch: int) -> tuple[int, int]:
     return sum(len(p.read_bytes()) for p in paths), len(paths)
 
 
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def run_tar(root: Path, epoch: int) -> tuple[int, int]:
+    """`tar cf - .` of the tree (into a pipe: tar skips reading files for /dev/null)."""
+    d = root / "tar"
+    out = subprocess.run(["tar", "cf", "-", "."], cwd=d, check=True, stdout=subprocess.PIPE)
+    return len(out.stdout), len(_tree(d))
+
+
+def run_sha256sum(root: Path, epoch: int) -> tuple[int, int]:
+    d = root / "sha256sum"
+    files = _tree(d)
+    subprocess.run(["sha256sum", *files], cwd=d, check=True, stdout=subprocess.DEVNULL)
+    return sum((d / f).stat().st_size for f in files), len(files)
+
+
 RUNNERS: dict[str, Client] = {
     "preads": run_preads,
     "lmdb": run_lmdb,
@@ -250,6 +289,8 @@ RUNNERS: dict[str, Client] = {
     "parquet": run_parquet,
     "fio": run_fio,
     "reread": run_reread,
+    "tar": run_tar,
+    "sha256sum": run_sha256sum,
 }
 PACKAGES = {
     "lmdb": "lmdb",
@@ -356,6 +397,8 @@ def _setup(
         if setup == "direct":
             return _epochs(client, root, args.epochs, drop, remote_counter)
         opts = ["--ram", str(ram), *args.mount_opts.split()]
+        if setup == "through":  # the same RAM, every file above --max-entry read through
+            opts += ["--passthrough-above", "1"]
         if setup == "ssd":
             ssd = work / "ssd"
             shutil.rmtree(ssd, ignore_errors=True)
