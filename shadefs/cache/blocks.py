@@ -48,6 +48,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.block_files import block_tier, count_open, drop_blocks
+from shadefs.cache.block_handle import BlockHandle
 from shadefs.cache.block_keys import block_key, block_relpath
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
@@ -62,45 +63,6 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "BlockHandle", "Blocks"]
 
 DEFAULT_BLOCK_SIZE = 8 << 20
 NO_LIMIT = 1 << 62  # `passthrough_above` when the operator set none (stats.json: 0)
-
-
-class BlockHandle:
-    """One open of a block-cached file."""
-
-    # fmt: off
-    __slots__ = (
-        "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
-        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "run", "checked", "pending",
-        "random", "counted", "pieces",
-    )
-    # fmt: on
-
-    def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
-        self.key = key
-        self.path = path
-        self.sig = sig
-        self.size = sig.size
-        self.nblocks = -(-sig.size // block_size)
-        self.fd = -1
-        self.users = 0  # source reads in flight on fd
-        self.closed = False
-        self.staged: dict[int, bytes] = {}  # loaded ahead, not admitted, not yet read
-        # Per block: 0 untouched, 1 counted as an access, 2 loaded by this handle.
-        self.seen = bytearray(self.nblocks)
-        self.ahead_to = 0  # read-ahead has been started for blocks below this
-        self.pos = -1  # the last block the reader asked for
-        # The block the reader is in: a block the policy did not admit is read by many
-        # requests (1 MiB reads of an 8 MiB block) but loaded once.
-        self.cur = -1
-        self.cur_data = b""
-        self.next_off = 0  # where the last read ended: the next one is sequential there
-        self.streak = 1  # reads in a row that continued the last (cache/extents.py)
-        self.run = 0  # bytes of that run
-        self.checked = -1e9  # when its last signed extent read began
-        self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
-        self.random = False  # as the source descriptor was last advised
-        self.counted = False  # in the mount's hits or misses (by its first read)
-        self.pieces: set[int] = set()  # pieces whose read the policy heard of (extents.py)
 
 
 class Blocks:
