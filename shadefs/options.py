@@ -141,7 +141,7 @@ MAX_ENTRY = Option[int | None](
     "(the SSD tier: min(SSD/8, 256M)) is cached in blocks (`--block-size`)",
 )
 BLOCK_SIZE = Option(
-    name="block_size", default=8 << 20, parse=parse_size, metavar="SIZE", shown="8M",
+    name="block_size", default=1 << 20, parse=parse_size, metavar="SIZE", shown="1M",
     help="block size of files above --max-entry", meaning="block size of files cached in blocks",
 )
 PASSTHROUGH_ABOVE = Option[int | None](

@@ -20,16 +20,18 @@ from typing import NamedTuple
 
 __all__ = [
     "BLOCK_SHIFT",
+    "PIECE_BIT",
     "block_index",
     "block_key",
     "block_relpath",
     "by_file",
     "file_key",
+    "is_piece",
     "parse_block_relpath",
     "piece_key",
 ]
 
-# Up to 2**24 blocks per file (128 TiB at 8 MiB blocks).
+# Up to 2**24 indices per file: 2**23 blocks and 2**23 pieces (PIECE_BIT).
 BLOCK_SHIFT = 24
 _MASK = (1 << BLOCK_SHIFT) - 1
 
@@ -67,8 +69,9 @@ def block_index(bkey: int) -> int:
 
 
 # Pieces (cache/extents.py: the extents of random reads, cached in RAM) share the block key
-# space: the top bit of the index marks a piece, so blocks have 2**23 indices (64 TiB at 8
-# MiB) and pieces 2**23 (256 GiB at 32 KiB; pieces beyond are not cached).
+# space: the top bit of the index marks a piece, so blocks have 2**23 indices (8 TiB at 1
+# MiB: a larger file is read through, `Blocks.takes`) and pieces 2**23 (256 GiB at 32 KiB;
+# pieces beyond are not cached).
 PIECE_BIT = 1 << (BLOCK_SHIFT - 1)
 
 
