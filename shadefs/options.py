@@ -149,12 +149,12 @@ MAX_ENTRY = Option[int | None](
     "(the SSD tier: min(SSD/8, 256M)) is cached in blocks (`--block-size`)",
 )
 BLOCK_SIZE = Option(
-    name="block_size", default=8 << 20, parse=parse_size, metavar="SIZE", shown="8M",
+    name="block_size", default=1 << 20, parse=parse_size, metavar="SIZE", shown="1M",
     help="block size of files above --max-entry", meaning="block size of files cached in blocks",
 )
 PASSTHROUGH_ABOVE = Option[int | None](
     name="passthrough_above", default=None, parse=parse_size, metavar="SIZE",
-    help="files larger than this are read through", shown="RAM + SSD budget",
+    help="files larger than this are read through", shown="none",
     meaning="files larger than this are read through, never cached (`--max-entry`: no blocks)",
 )
 HANDLE_LIMIT = Option[int | None](

@@ -206,7 +206,7 @@ class BlockStats:
 
     block_size: int
     threshold: int  # files above this are cached in blocks (the largest cached whole)
-    passthrough_above: int  # files above this are read through
+    passthrough_above: int  # files above this are read through (0: no limit, the default)
     opens: int
     hits: int  # block reads served from RAM
     ssd_loads: int  # blocks loaded from the SSD tier
@@ -218,6 +218,8 @@ class BlockStats:
     extent_hits: int  # random reads served from kept extents
     extent_bytes: int  # extents kept now (within the read-ahead window)
     revalidated: int  # files whose blocks were dropped because the file changed
+    piece_hits: int = 0  # random reads served from pieces kept in the RAM tier
+    pieces_admitted: int = 0  # extents the RAM tier's policy admitted as pieces
 
 
 @dataclass(frozen=True, slots=True)

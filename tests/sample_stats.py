@@ -150,6 +150,8 @@ def full(**top: Any) -> Stats:
             extent_hits=2,
             extent_bytes=5 << 15,
             revalidated=1,
+            piece_hits=9,
+            pieces_admitted=11,
         ),
     )
     return replace(s, **top)

@@ -17,7 +17,8 @@ import pytest
 import trio
 import trio.testing
 
-from shadefs.cache.extents import EXTENT, Extents, streak
+from shadefs.cache.block_keys import is_piece
+from shadefs.cache.extents import EXTENT, STREAM_RUN, Extents, streak, streams
 from shadefs.cache.ssd_format import Signature
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs
@@ -196,9 +197,20 @@ async def test_read_ahead_ramps_up_with_the_stream(tmp_path: Path) -> None:
 
 
 def test_sequential_judgement_and_the_extent_lru() -> None:
-    assert streak(1, 0, 0) == 2 and streak(2, 1 << 20, 1 << 20) == 3  # streams
-    assert streak(1, 0, 8192) == 0 and streak(5, 1 << 20, 0) == 0  # jumps
-    assert streak(0, 4096, 4096) == 1  # one read that follows a jump: not yet a stream
+    R = STREAM_RUN
+    assert streak(1, 0, 0, 0, R) == (2, R) and streams(2, R)  # cat's first read streams
+    assert streak(2, R, R, R, R + 4096) == (3, R + 4096)  # it goes on
+    assert streak(1, 0, 0, 0, 16384) == (2, 16384) and not streams(2, 16384)  # a meta page
+    # An LMDB value's overflow pages, faulted one by one: a run, but no stream.
+    reads, run = 0, 4096
+    for off in range(1 << 20, (1 << 20) + 3 * 4096, 4096):
+        reads, run = streak(reads, run, off, off, off + 4096)
+    assert (reads, run) == (3, 4 * 4096) and not streams(reads, run)
+    # A scan whose pages the kernel partly had: the gaps continue the run.
+    assert streak(5, R, 1 << 20, (1 << 20) + 3 * 4096, (1 << 20) + 4 * 4096) == (6, R + 4096)
+    assert streak(5, R, 1 << 20, 0, 4096) == (0, 4096)  # a jump back
+    assert streak(5, R, 0, R + 1, R + 4097) == (0, 4096)  # a jump ahead
+    assert streak(0, 4096, 4096, 4096, 8192) == (1, 8192)  # one read after a jump
     sig, other = Signature(9, 1, 1, 1), Signature(9, 2, 1, 1)
     ext = Extents(limit=10)
     ext.put(-1, 0, sig, b"aaaa")
@@ -351,7 +363,9 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
     rng = random.Random(10)
     big, blk = rng.randbytes(3 << 20), rng.randbytes(6 * BS)
     src = make_tree(tmp_path / "src", {"big": big, "blk": blk})
-    ops, svc = make_fs(src, ram=2 << 20, block_size=BS, max_entry=64 << 10)
+    ops, svc = make_fs(
+        src, ram=2 << 20, block_size=BS, max_entry=64 << 10, passthrough_above=2 << 20
+    )
     fi = await ops.open(await lookup_path(ops, "big"), os.O_RDONLY, CTX)  # read through
     for off in (0, 4096, 8192):  # a stream: the source's read-ahead helps
         assert await _pread(ops, fi.fh, off, 4096) == big[off : off + 4096]
@@ -362,8 +376,9 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
     await ops.release(fi.fh)
     calls.clear()
     fi = await ops.open(await lookup_path(ops, "blk"), os.O_RDONLY, CTX)
-    for off in (0, 4 * BS, 4 * BS + 4096, 4 * BS + 8192):  # stream, jump, then a stream again
-        assert await _pread(ops, fi.fh, off, 4096) == blk[off : off + 4096]
+    n = STREAM_RUN
+    for off in (0, 4 * BS, 4 * BS + n, 4 * BS + 2 * n):  # stream, jump, then a stream again
+        assert await _pread(ops, fi.fh, off, n) == blk[off : off + n]
     await ops.release(fi.fh)
     assert calls == [("shadefs.cache.blocks", True), ("shadefs.cache.blocks", False)]
 
@@ -435,3 +450,79 @@ async def test_a_file_opened_in_blocks_is_reopened_in_blocks_not_fetched_whole(
     assert await _pread(ops, fb.fh, 0, len(b)) == b
     await ops.release(fb.fh)
     assert svc.source.bytes_read - before <= 1.02 * len(b)
+
+
+# --- a file larger than the budget (issue 37) -------------------------------------------------
+
+
+async def _random_pass(ops, ino: int, data: bytes, offs: list[int]) -> None:
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    for off in offs:
+        assert await _pread(ops, fi.fh, off, 4096) == data[off : off + 4096]
+    await ops.release(fi.fh)  # (its fstat confirms the extents read since the last signed one)
+
+
+@pytest.mark.parametrize("through", [False, True])
+async def test_a_file_larger_than_the_budget_keeps_pieces_under_the_policy(
+    tmp_path: Path, through: bool
+) -> None:
+    rng = random.Random(15)
+    bs = 1 << 20
+    data = rng.randbytes(3 * bs)
+    src = make_tree(tmp_path / "src", {"data.mdb": data})
+    # RAM for a third of the file, less than a block (no block fits: pieces compete among
+    # themselves); an extent LRU of 8 extents, so that a second pass finds mostly what the
+    # RAM tier kept. `through`: the operator's --passthrough-above.
+    limit = {"passthrough_above": bs} if through else {}
+    ops, svc = make_fs(
+        src, ram=bs - EXTENT, block_size=bs, max_entry=64 << 10, prefetch_window=bs, **limit
+    )
+    assert svc.blocks.takes(1, len(data)) is not through
+    svc.blocks.ranges.check_period = 0.0  # every extent read signed: kept at once
+    ino = await lookup_path(ops, "data.mdb")
+    offs = [rng.randrange(len(data) // 4096) * 4096 for _ in range(150)]
+    fetched = []
+    for _ in range(2):
+        before = svc.source.bytes_read
+        await _random_pass(ops, ino, data, offs)
+        fetched.append(svc.source.bytes_read - before)
+    b = svc.stats().blocks
+    assert b is not None and svc.cache.used <= svc.cache.capacity
+    if through:  # never cached: the second pass reads what the first did
+        assert fetched[1] == fetched[0] and not svc.cache.entries
+        return
+    pieces = [k for k in svc.cache.entries if is_piece(k)]
+    assert pieces and b.pieces_admitted >= len(pieces) and b.piece_hits > 0
+    assert all(len(svc.cache.entries[k].data) == EXTENT for k in pieces)
+    assert b.source_loads == 0  # 4 KiB reads at random: never a whole 8 MiB block
+    # The RAM tier holds a third of the file: the second pass fetches markedly less.
+    assert fetched[1] <= 0.8 * fetched[0], fetched
+
+
+async def test_a_scan_inside_a_randomly_read_file_is_read_ahead_in_blocks(tmp_path: Path) -> None:
+    rng = random.Random(16)
+    data = rng.randbytes(8 * BS)
+    src = make_tree(tmp_path / "src", {"data.mdb": data})
+    # RAM for less than a block: no random read loads one because it would fit.
+    ops, svc = make_fs(src, ram=BS - EXTENT, block_size=BS, max_entry=64 << 10)
+    async with trio.open_nursery() as nursery:
+        svc.start(nursery)
+        fi = await ops.open(await lookup_path(ops, "data.mdb"), os.O_RDONLY, CTX)
+        # An LMDB get with readahead=False: a leaf page, then a value's three overflow
+        # pages, each faulted alone. A run, but no stream: extents, no block.
+        for off in (5 * BS + 8192, BS + 40960, BS + 45056, BS + 49152):
+            assert await _pread(ops, fi.fh, off, 4096) == data[off : off + 4096]
+        assert svc.blocks.source_loads == 0 and svc.blocks.read_ahead == 0
+        # A cursor scan from block 2 on, whose every third page the kernel already had:
+        # the gaps continue the run, which streams from 64 KiB and loads blocks ahead.
+        off = 2 * BS
+        while off < 4 * BS:
+            assert await _pread(ops, fi.fh, off, 4096) == data[off : off + 4096]
+            off += 4096 if (off // 4096) % 3 else 8192
+        ranges = svc.blocks.ranges.loads
+        await ops.release(fi.fh)
+        await settled(svc)  # (blocks read ahead are staged in the handle until its release)
+        assert svc.blocks.source_loads >= 2 and svc.blocks.read_ahead >= 2
+        nursery.cancel_scope.cancel()
+    # The scan took extents only until it was seen to stream (64 KiB).
+    assert ranges <= 4 + STREAM_RUN // 4096

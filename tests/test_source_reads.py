@@ -141,11 +141,11 @@ def test_a_random_readers_large_read_keeps_several_requests_in_flight(
 def test_a_read_through_files_random_reader_reaches_the_remote_in_pieces_at_once(
     remote: tuple[Path, Path], mounter
 ) -> None:
-    """lmdb's case: a file larger than RAM is read through, and its mmap faults arrive at
-    random offsets, 1 MiB each (read_ahead_kb). O_DIRECT sends the daemon the reads as they
-    are asked, whatever this kernel's read-ahead of the mount is."""
+    """lmdb's case: a file read through (above --passthrough-above), and its mmap faults
+    arrive at random offsets, 1 MiB each (read_ahead_kb). O_DIRECT sends the daemon the
+    reads as they are asked, whatever this kernel's read-ahead of the mount is."""
     real, mnt = remote
-    m = mounter(mnt, "--ram", "1M")  # 4 MiB: read through
+    m = mounter(mnt, "--ram", "1M", "--passthrough-above", "2M")  # 4 MiB: read through
     want = (real / "f.bin").read_bytes()
     buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
     fd = os.open(m.mnt / "f.bin", os.O_RDONLY | os.O_DIRECT)

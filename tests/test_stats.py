@@ -47,7 +47,7 @@ PREFETCH = {
 BLOCKS = {
     "block_size", "threshold", "passthrough_above", "opens", "hits", "ssd_loads", "source_loads",
     "read_ahead", "ahead_bytes", "range_loads", "range_bytes", "extent_hits", "extent_bytes",
-    "revalidated",
+    "revalidated", "piece_hits", "pieces_admitted",
 }  # fmt: skip
 SAMPLER = {
     "samples", "epoch", "replay", "replay_mode", "orders_served", "losses_ingested", "reports",

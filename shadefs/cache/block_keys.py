@@ -20,14 +20,18 @@ from typing import NamedTuple
 
 __all__ = [
     "BLOCK_SHIFT",
+    "PIECE_BIT",
+    "block_index",
     "block_key",
     "block_relpath",
     "by_file",
     "file_key",
+    "is_piece",
     "parse_block_relpath",
+    "piece_key",
 ]
 
-# Up to 2**24 blocks per file (128 TiB at 8 MiB blocks).
+# Up to 2**24 indices per file: 2**23 blocks and 2**23 pieces (PIECE_BIT).
 BLOCK_SHIFT = 24
 _MASK = (1 << BLOCK_SHIFT) - 1
 
@@ -60,7 +64,25 @@ def file_key(bkey: int) -> int:
 
 
 def block_index(bkey: int) -> int:
+    """The index of a block key (a piece's with PIECE_BIT set)."""
     return (-bkey - 1) & _MASK
+
+
+# Pieces (cache/extents.py: the extents of random reads, cached in RAM) share the block key
+# space: the top bit of the index marks a piece, so blocks have 2**23 indices (8 TiB at 1
+# MiB: a larger file is read through, `Blocks.takes`) and pieces 2**23 (256 GiB at 32 KiB;
+# pieces beyond are not cached).
+PIECE_BIT = 1 << (BLOCK_SHIFT - 1)
+
+
+def piece_key(key: int, index: int) -> int | None:
+    """The cache key of piece `index` (extent grid over the whole file) of file `key`, or
+    None past the pieces' key space."""
+    return block_key(key, PIECE_BIT | index) if index < PIECE_BIT else None
+
+
+def is_piece(bkey: int) -> bool:
+    return bkey < 0 and bool(block_index(bkey) & PIECE_BIT)
 
 
 def block_relpath(relpath: bytes, offset: int, file_size: int) -> bytes:

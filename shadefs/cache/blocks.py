@@ -1,7 +1,8 @@
 """Large files (shards) cached as fixed-size blocks: the read path and sequential read-ahead.
 
 A file larger than every tier caches whole (`Cache.whole_max`: `--max-entry` for RAM, the
-SSD tier's largest entry) and up to the pass-through limit is never fetched whole; nor is
+SSD tier's largest entry) and not above `--passthrough-above` (by default there is no such
+limit: a file larger than the whole budget is cached in part) is never fetched whole; nor is
 one the SSD tier would cache whole while open handles hold `--handle-limit` (`takes`). Each
 block of `block_size` bytes is an entry of its own, under a negative key (`block_keys`), in
 the same tiers, budgets and policies as whole files: the RAM tier's `Cache.entries`
@@ -18,7 +19,8 @@ or a miss (cache/block_files.py).
 Sequential or random (cache/extents.py): a handle streams while its reads continue one
 another. A random read of a block that is not resident and would not be kept gets the asked
 range rounded out to 32 KiB extents, never the whole block (kept in a small LRU within the
-read-ahead window); with room on the SSD tier, the block is loaded in the background too.
+read-ahead window, and offered to the RAM tier as pieces that compete for the budget under
+the policy); with room on the SSD tier, the block is loaded in the background too.
 
 Read-ahead: every streaming read of block i starts loading the next blocks, up to `window`
 bytes over all open files (the prefetch window). Opening a file fetches nothing: a reader
@@ -39,14 +41,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 
 import pyfuse3
 import trio
 
 from shadefs.cache.block_files import block_tier, count_open, drop_blocks
-from shadefs.cache.block_keys import block_key, block_relpath
+from shadefs.cache.block_handle import BlockHandle
+from shadefs.cache.block_keys import PIECE_BIT, block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak
+from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
 from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.source import Source
@@ -56,44 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "BlockHandle", "Blocks"]
 
-DEFAULT_BLOCK_SIZE = 8 << 20
-
-
-class BlockHandle:
-    """One open of a block-cached file."""
-
-    # fmt: off
-    __slots__ = (
-        "key", "path", "sig", "size", "nblocks", "fd", "users", "closed", "staged", "seen",
-        "ahead_to", "pos", "cur", "cur_data", "next_off", "streak", "checked", "pending", "random",
-        "counted",
-    )
-    # fmt: on
-
-    def __init__(self, key: int, path: bytes, sig: Signature, block_size: int) -> None:
-        self.key = key
-        self.path = path
-        self.sig = sig
-        self.size = sig.size
-        self.nblocks = -(-sig.size // block_size)
-        self.fd = -1
-        self.users = 0  # source reads in flight on fd
-        self.closed = False
-        self.staged: dict[int, bytes] = {}  # loaded ahead, not admitted, not yet read
-        # Per block: 0 untouched, 1 counted as an access, 2 loaded by this handle.
-        self.seen = bytearray(self.nblocks)
-        self.ahead_to = 0  # read-ahead has been started for blocks below this
-        self.pos = -1  # the last block the reader asked for
-        # The block the reader is in: a block the policy did not admit is read by many
-        # requests (1 MiB reads of an 8 MiB block) but loaded once.
-        self.cur = -1
-        self.cur_data = b""
-        self.next_off = 0  # where the last read ended: the next one is sequential there
-        self.streak = 1  # reads in a row that continued the last (cache/extents.py)
-        self.checked = -1e9  # when its last signed extent read began
-        self.pending: list[tuple[int, int, bytes]] = []  # extents read since (unconfirmed)
-        self.random = False  # as the source descriptor was last advised
-        self.counted = False  # in the mount's hits or misses (by its first read)
+DEFAULT_BLOCK_SIZE = 1 << 20  # (8 MiB made an SSD-served random read cost 3.7x a read through)
+NO_LIMIT = 1 << 62  # `passthrough_above` when the operator set none (stats.json: 0)
 
 
 class Blocks:
@@ -123,7 +91,7 @@ class Blocks:
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
         # Random reads' extents (cache/extents.py), within a quarter of the window.
-        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4)
+        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4, cache)
         self.hits = self.ssd_loads = self.source_loads = 0
         self.read_ahead = self.revalidated = self.opens = 0
 
@@ -137,10 +105,12 @@ class Blocks:
 
     @property
     def passthrough_above(self) -> int:
-        """Files larger than this are read through: the operator's limit, else the budget."""
-        budget = self.cache.capacity + (self.cache.ssd.capacity if self.cache.ssd else 0)
+        """Files larger than this are read through, never cached: the operator's limit, by
+        default none. A file larger than the budget is cached in pieces and blocks, which
+        compete for the budget under the policy: its RAM share buys hits in proportion
+        (docs/benchmarks.md, "One large file read at random")."""
         limit = self._passthrough_above
-        return budget if limit is None else min(limit, budget)
+        return NO_LIMIT if limit is None else limit
 
     def takes(self, key: int, size: int) -> bool:
         """Whether an open of file `key` (larger than the RAM tier caches whole) goes to
@@ -149,8 +119,8 @@ class Blocks:
         still reaches the SSD), or when it was opened in blocks before: its blocks, not
         a whole fetch, serve the reopen (Parquet reopens a file while the release of the
         file read before it, which the kernel sends late, still holds the limit)."""
-        if size > self.threshold:  # above every whole-file limit
-            return size <= self.passthrough_above
+        if size > self.threshold:  # above every whole-file limit (and the key space's)
+            return size <= min(self.passthrough_above, self.block_size * PIECE_BIT)
         cache, ssd = self.cache, self.cache.ssd
         if ssd is None or key in ssd.index or size > self.passthrough_above:
             return False
@@ -193,6 +163,19 @@ class Blocks:
         return h, True
 
     async def release(self, h: BlockHandle) -> None:
+        if h.pending and h.fd >= 0:
+            # The extents read since the last signed read: one fstat proves them of the
+            # opened version, so a short pass (under CHECK_PERIOD) keeps its pieces too.
+            pending, h.pending = h.pending, []
+            h.users += 1
+            try:
+                st = await self.source.run(os.fstat, h.fd)
+            except pyfuse3.FUSEError:
+                st = None
+            finally:
+                h.users -= 1
+            if st is not None and Signature.of(st) == h.sig:
+                self.ranges.confirm(h, pending)
         h.closed = True
         h.cur_data = b""
         for data in h.staged.values():
@@ -230,9 +213,9 @@ class Blocks:
         if not h.counted:
             h.counted = True
             count_open(self.cache, h.key, off // self.block_size)
-        h.streak = streak(h.streak, h.next_off, off)
+        h.streak, h.run = streak(h.streak, h.run, h.next_off, off, end)
         h.next_off = end
-        stream = h.streak >= 2
+        stream = streams(h.streak, h.run)
         if stream == h.random and h.fd >= 0:
             h.random = not stream
             advise(h.fd, h.random)
@@ -293,7 +276,12 @@ class Blocks:
         if h.cur == i:
             return h.cur_data
         data = await self._find(h, i)
-        h.cur, h.cur_data = i, data
+        entry = self.cache.entries.get(block_key(h.key, i))
+        if entry is None or entry.data is not data:
+            # Not kept by the RAM tier: the handle keeps it while it reads there. A read of
+            # a resident block elsewhere (a B-tree's leaf page amid a scan) must not drop
+            # it, or the scan's next read would load it again.
+            h.cur, h.cur_data = i, data
         return data
 
     async def _find(self, h: BlockHandle, i: int) -> bytes:
@@ -408,10 +396,14 @@ class Blocks:
             return False
         self.ahead_bytes += bs
         self.read_ahead += 1
-        nursery.start_soon(self._ahead, h, i)
+        nursery.start_soon(self._ahead, h, i, False)
         return True
 
-    async def _ahead(self, h: BlockHandle, i: int) -> None:
+    async def _ahead(self, h: BlockHandle, i: int, stage: bool = True) -> None:
+        """Load block i ahead of the reader; if the policy does not admit it, keep it for
+        the reader (`stage`: a stream's next blocks) or let it go (a random reader's block,
+        loaded for the tiers: it may never come back to it, and staged bytes hold the
+        window until it does)."""
         bs = self.block_size
         try:
             if h.closed:
@@ -425,7 +417,7 @@ class Blocks:
             return
         finally:
             self.ahead_bytes -= bs
-        if h.closed or i <= h.pos or block_key(h.key, i) in self.cache.entries:
+        if not stage or h.closed or i <= h.pos or block_key(h.key, i) in self.cache.entries:
             return  # gone, already taken by the reader (it joined the flight), or cached
         # Not admitted (the policy refused it): keep it for this reader, within the window.
         h.staged[i] = data
@@ -435,7 +427,7 @@ class Blocks:
         return BlockStats(
             block_size=self.block_size,
             threshold=self.threshold,
-            passthrough_above=self.passthrough_above,
+            passthrough_above=self._passthrough_above or 0,
             opens=self.opens,
             hits=self.hits,
             ssd_loads=self.ssd_loads,
@@ -447,4 +439,6 @@ class Blocks:
             extent_hits=self.ranges.extents.hits,
             extent_bytes=self.ranges.extents.bytes,
             revalidated=self.revalidated,
+            piece_hits=self.ranges.piece_hits,
+            pieces_admitted=self.ranges.pieces_admitted,
         )

@@ -203,6 +203,8 @@ METRICS: tuple[Sample, ...] = (
     _c("blocks.range_bytes", "blocks_range_bytes", "Bytes fetched as extents by random reads"),
     _c("blocks.extent_hits", "blocks_extent_hits", "Random reads served from kept extents"),
     _g("blocks.extent_bytes", "blocks_extent_bytes", "Extents kept for random readers"),
+    _c("blocks.piece_hits", "blocks_piece_hits", "Random reads served from RAM pieces"),
+    _c("blocks.pieces_admitted", "blocks_pieces_admitted", "Extents admitted to RAM as pieces"),
     _c("blocks.revalidated", "blocks_revalidated", "Files whose blocks were dropped on change"),
     _g("blocks.block_size", "blocks_block_size", "Bytes per block of a large file"),
     _g("blocks.threshold", "blocks_threshold", "Files above this size are cached in blocks"),
