@@ -23,7 +23,8 @@ async def _settled(ns: Any) -> None:
     """Every task blocked and no listing in flight (a listing waits on a worker thread)."""
     await trio.testing.wait_all_tasks_blocked()
     while ns._listing_flights:
-        await next(iter(ns._listing_flights.values())).wait()
+        done, _ = next(iter(ns._listing_flights.values()))  # (its event, its waiters' error)
+        await done.wait()
         await trio.testing.wait_all_tasks_blocked()
 
 
