@@ -13,7 +13,11 @@ docs/control-protocol.md is the contract for every entry; in short:
 
 This module serves the inodes and the open handles: attributes, permissions, reads, and
 writes dispatched to commands.py or channel.py. Control files use direct_io, so every read
-reaches the daemon and their reported size (0) does not matter.
+reaches the daemon and their reported size (0) does not matter. Anything malformed fails
+the write with EINVAL (a ctl write over the size limit with EFBIG), leaves the state
+untouched and poisons the handle of a stream, so that a client retrying a short write sees
+the error too. Control parses and dispatches only: the daemon's service object, seen
+through control/service.py's ControlService, does the work.
 
 Sessions (under kernel hits, fs/kernel_hits.py): the kernel then opens every regular file
 itself and never says when it closes one, and no `direct_io` can be asked for. So each
@@ -24,11 +28,7 @@ reported size bounds what the kernel reads: the content rendered at the lookup, 
 response holds after a request was written. A file's pages then never outlive its one open.
 No close is ever seen, so a `plan` written since is installed before the next read the
 daemon serves or the next lookup of a control file (`install_plans`), and again if more
-is written. Anything malformed fails
-the write with EINVAL (a ctl write over the size limit with EFBIG), leaves the state
-untouched and poisons the handle of a stream, so that a client retrying a short write sees
-the error too. Control parses and dispatches only: the daemon's service object, seen
-through control/service.py's ControlService, does the work.
+is written.
 """
 
 from __future__ import annotations
@@ -171,11 +171,12 @@ class Control:
 
     def forget(self, inodes: Sequence[tuple[InodeT, int]]) -> Sequence[tuple[InodeT, int]]:
         """End the sessions among `inodes` that the kernel forgot; the others."""
-        rest = [(ino, n) for ino, n in inodes if ino < SESSION_BASE]
-        if len(rest) < len(inodes):
-            for ino, _ in inodes:
-                if ino >= SESSION_BASE:
-                    self.release(ino)
+        rest = []
+        for ino, n in inodes:
+            if ino >= SESSION_BASE:
+                self.release(ino)
+            else:
+                rest.append((ino, n))
         return rest
 
     def listing(self) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:

@@ -17,27 +17,14 @@ docs/developer-notes.md ("Kernel hits").
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import pyfuse3
 
 log = logging.getLogger(__name__)
 
-# A no-open READ carries no request context through pyfuse3: the daemon acts for a reader it
+# A no-open READ carries no request context through pyfuse3: the daemon reads for a reader it
 # cannot name. pid 0 is no process: its reads form one job of their own (readers/jobs.py).
 KERNEL_PID = 0
-
-
-@dataclass(frozen=True)
-class KernelContext:
-    """The request context of a READ under no-open (pyfuse3 passes none to `read`): what
-    the open path takes from `ctx`, for a reader it cannot name. uid 0: the source
-    descriptors it may hold for the read are the daemon's, not a user's."""
-
-    pid: int = KERNEL_PID
-    uid: int = 0
-    gid: int = 0
-    umask: int = 0
 
 
 def supported() -> bool:

@@ -38,7 +38,7 @@ from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.kernel import PUSH_MAX, push_pages
-from shadefs.fs.kernel_hits import KERNEL_PID, KernelContext
+from shadefs.fs.kernel_hits import KERNEL_PID
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
@@ -132,8 +132,10 @@ class Operations(ReadOnly):
     async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         if self.control.sessions:  # an open control file ends when the kernel forgets it
             inode_list = self.control.forget(inode_list)
-            for ino, _ in inode_list:
-                await self._let_go(ino)
+            if self._partial:  # (a forget can name many inodes: no coroutine per inode)
+                for ino, _ in inode_list:
+                    if ino in self._partial:
+                        await self._let_go(ino)
         self.ns.forget(list(inode_list))
         self.deferrals.forget(inode_list)
         for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
@@ -262,13 +264,12 @@ class Operations(ReadOnly):
         # Source descriptors this open takes count against the opener (source.py).
         token = OPENER.set(ctx.uid)
         try:
-            return await self._open(inode, flags, ctx)
+            return await self._open(inode, flags, ctx.pid)
         finally:
             OPENER.reset(token)
 
-    async def _open(
-        self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext | KernelContext
-    ) -> pyfuse3.FileInfo:
+    async def _open(self, inode: InodeT, flags: FlagT, pid: int) -> pyfuse3.FileInfo:
+        """Open `inode` for reader `pid` (its job is the readers part's to find)."""
         if flags & _WRITE_FLAGS:
             raise erofs()
         st, path, checked = self.ns.opening(inode)
@@ -296,7 +297,7 @@ class Operations(ReadOnly):
                 if blocks is not None and blocks.takes(inode, st.st_size):
                     return await self._open_blocks(blocks, inode, path, st)
             try:
-                entry = await self.cache.open_entry(inode, path, st, ctx.pid, lazy, sig)
+                entry = await self.cache.open_entry(inode, path, st, pid, lazy, sig)
                 if entry is None:  # read through: the kernel may keep no pages of it
                     return await self._open_through(inode, path, st)
                 if isinstance(entry, Deferred):
@@ -437,7 +438,7 @@ class Operations(ReadOnly):
             if failed is not None and time.monotonic() - failed < _RETRY_WINDOW:
                 raise pyfuse3.FUSEError(errno.EIO)  # (the kernel's retry of a failed READ)
             try:
-                fh = (await self._open(inode, os.O_RDONLY, KernelContext())).fh
+                fh = (await self._open(inode, os.O_RDONLY, KERNEL_PID)).fh
             except pyfuse3.FUSEError as exc:
                 if exc.errno == errno.EIO:
                     self._failed_read(inode)
