@@ -51,14 +51,25 @@ async def test_a_read_names_the_inode_and_a_second_read_is_a_hit(tmp_path: Path)
     assert svc.cache.handles.describe(0, 0).open == 0  # no handle outlives its read
 
 
-async def test_a_new_version_at_the_first_read_is_estale(tmp_path: Path) -> None:
+async def test_a_new_version_at_the_first_read_is_estale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ESTALE, and only once the kernel dropped the name's dentry: the kernel does not
+    retry a READ, so the reader's next open would walk that dentry to the retired node."""
     src, files = _src(tmp_path)
     ops, _ = make_fs(src, kernel_hits="on")
     ino = await lookup_path(ops, "c1/f01.bin")
+    dropped: list[bytes] = []
+
+    def invalidate_entry(parent: int, name: bytes) -> None:
+        dropped.append(name)
+
+    monkeypatch.setattr(pyfuse3, "invalidate_entry", invalidate_entry)
     (src / "c1" / "f01.bin").write_bytes(b"a longer new version" * 1000)
     with pytest.raises(pyfuse3.FUSEError) as exc:
         await ops.read(ino, 0, 1 << 20)  # never the new bytes under the old node's size
     assert exc.value.errno == errno.ESTALE
+    assert dropped == [b"f01.bin"]
 
 
 async def test_writes_to_data_files_fail_erofs(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 A notification can wait on locks that a request in flight holds (the kernel holds a
 directory's lock while it waits for our answer to a lookup in it), so each runs in a worker
 thread, and the ones made while answering a request are not even awaited: the request is
-answered, then the kernel takes the notification. The one exception is `push_pages`, made
-in the trio thread where it is known that no request holds what it needs.
+answered, then the kernel takes the notification. The exceptions: `push_pages`, made in
+the trio thread where it is known that no request holds what it needs, and a no-open READ
+that answers ESTALE, which waits for its dentry to go (`entries_forgotten`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PUSH_MAX = 1 << 20
 # `push_pages` looks through at most this many open handles for another of the same file.
 _PUSH_SCAN = 64
 _push = [True]  # False once the kernel said it cannot (ENOSYS)
+_forgetting: set[trio.Event] = set()  # the dentry invalidations under way (`forget_entry`)
 
 
 def push_pages(inode: int, fh: int, data: bytes, handles: Mapping[int, int]) -> bool:
@@ -53,11 +55,26 @@ def push_pages(inode: int, fh: int, data: bytes, handles: Mapping[int, int]) -> 
 def forget_entry(parent: int, name: bytes) -> None:
     """Make the kernel drop its dentry `name` in `parent` (it leads to a gone inode), so
     that the next walk through it asks us; not awaited (see the module's docstring)."""
-    trio.lowlevel.spawn_system_task(_forget_entry, parent, name)
+    done = trio.Event()
+    _forgetting.add(done)
+    trio.lowlevel.spawn_system_task(_forget_entry, parent, name, done)
 
 
-async def _forget_entry(parent: int, name: bytes) -> None:
+async def entries_forgotten(timeout: float) -> None:
+    """Wait, up to `timeout` seconds, for the dentries asked so far to be dropped. Under
+    no-open a READ that answers ESTALE gets no retry from the kernel (an open does: it looks
+    the name up again), so the reader's next open would walk the same dentry to the retired
+    node unless it is gone first. A READ holds no directory lock, so it may wait for it."""
+    with trio.move_on_after(timeout):
+        for done in list(_forgetting):
+            await done.wait()
+
+
+async def _forget_entry(parent: int, name: bytes, done: trio.Event) -> None:
     try:
         await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
     except Exception as exc:  # no FUSE session, or the kernel holds no such dentry
         log.debug("invalidate_entry(%d, %r) failed: %s", parent, name, exc)
+    finally:
+        _forgetting.discard(done)
+        done.set()

@@ -37,7 +37,7 @@ from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import PUSH_MAX, push_pages
+from shadefs.fs.kernel import PUSH_MAX, entries_forgotten, push_pages
 from shadefs.fs.kernel_hits import KERNEL_PID
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
@@ -66,6 +66,9 @@ _PARTIAL = 64
 # kernel retries a failed read-ahead READ with a READ of its own, which would wait for a hung
 # source's timeout a second time.
 _RETRY_WINDOW = 1.0
+# A READ that answers ESTALE first waits this long at most for the kernel to drop the
+# node's dentry (fs/kernel.py, `entries_forgotten`).
+_FORGET_WAIT = 1.0
 
 
 @guard_handlers
@@ -442,6 +445,8 @@ class Operations(ReadOnly):
             except pyfuse3.FUSEError as exc:
                 if exc.errno == errno.EIO:
                     self._failed_read(inode)
+                elif exc.errno == errno.ESTALE:  # the reader's next open must look it up
+                    await entries_forgotten(_FORGET_WAIT)
                 raise
             got = self._partial.setdefault(inode, [fh, 0, 0])
             if got[0] != fh:
