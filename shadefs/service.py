@@ -179,6 +179,8 @@ class Service:
         nursery.start_soon(self.speculator.run)
         nursery.start_soon(self.loop_lag.run)
         nursery.start_soon(self.namespace.relist)
+        if self.control.sessions:
+            nursery.start_soon(self.control.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 

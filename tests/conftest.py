@@ -50,6 +50,12 @@ class Mount:
     def stats(self) -> dict:
         return json.loads((self.mnt / ".shadefs" / "stats.json").read_bytes())
 
+    @property
+    def no_open(self) -> bool:
+        """Whether the mount serves with kernel hits: the kernel then serves every read of
+        the pages it holds, and the daemon sees and counts only the reads it lacks."""
+        return bool(self.stats()["no_open"])
+
     def ctl(self, line: str) -> None:
         fd = os.open(self.mnt / ".shadefs" / "ctl", os.O_WRONLY)
         try:
@@ -65,6 +71,14 @@ class Mount:
             if res.returncode != 0:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
                 raise AssertionError(f"shadefs umount failed: {res.stderr}")
+
+
+def drop_kernel_pages() -> None:
+    """Drop the kernel's page cache, as memory pressure does for a dataset larger than
+    memory: the next read of every file reaches the daemon, with or without kernel hits
+    (with them, a file whose pages the kernel kept is read without asking the daemon)."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
 
 
 def _dead_mount(path: Path) -> bool:

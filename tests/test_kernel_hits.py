@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pyfuse3
 import pytest
+import trio
+import trio.testing
 
 from shadefs.control.entries import DIR_INODE, SESSION_BASE
+from shadefs.control.files import PLAN_QUIET
 from shadefs.fs import kernel_hits
 from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
@@ -121,6 +124,34 @@ async def test_an_order_request_and_its_response_on_one_session(tmp_path: Path) 
     epoch, indices = wire.decode_order_response(resp)
     assert epoch == 0 and sorted(indices.tolist()) == list(range(len(files)))
     assert size == len(req) + len(resp)
+
+
+async def test_a_plan_is_installed_once_its_writer_is_quiet(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """No close is seen: a plan is installed once no plan was written for PLAN_QUIET, as
+    far as written, and whole once its last part came."""
+    src, files = _src(tmp_path)
+    ops, svc = make_fs(src, kernel_hits="on")
+    assert svc.prefetcher is not None
+    plan = await _session(ops, b"plan")
+    text = "".join(f"{r}\n" for r in sorted(files)).encode()
+    cut = text.index(b"\n", len(text) // 2) + 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(svc.control.run)
+        await ops.write(plan, 0, text[:cut])
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(PLAN_QUIET / 2)
+        await ops.write(plan, cut, text[cut:])  # the writer goes on
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(PLAN_QUIET * 0.75)  # quiet since the first part, not the last
+        await trio.testing.wait_all_tasks_blocked()
+        assert not svc.prefetcher.plans
+        mock_clock.jump(PLAN_QUIET * 0.5)
+        await trio.testing.wait_all_tasks_blocked()
+        (installed,) = svc.prefetcher.plans.values()
+        assert sorted(installed.paths) == sorted(r.encode() for r in files)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_plan_is_installed_before_the_next_read(tmp_path: Path) -> None:

@@ -26,9 +26,9 @@ attribute timeouts 0, so that every path walk looks up anew): the node is the op
 made with the looking-up process's pid and uid, and ended when the kernel forgets it. Its
 reported size bounds what the kernel reads: the content rendered at the lookup, or what a
 response holds after a request was written. A file's pages then never outlive its one open.
-No close is ever seen, so a `plan` written since is installed before the next read the
-daemon serves or the next lookup of a control file (`install_plans`), and again if more
-is written.
+No close is ever seen, so a `plan` written since is installed once its writer has been
+quiet for PLAN_QUIET seconds (`run`), or sooner, before the next read the daemon serves or
+the next lookup of a control file (`install_plans`), and again if more is written.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import stat
 from collections.abc import Callable, Sequence
 
 import pyfuse3
+import trio
 from pyfuse3 import InodeT
 
 from shadefs.control import commands
@@ -69,6 +70,9 @@ from shadefs.sampling import wire
 from shadefs.stats import Metrics, Stats
 
 log = logging.getLogger(__name__)
+
+#: Under sessions, a plan is installed once no plan was written for this long (`Control.run`).
+PLAN_QUIET = 0.2
 
 
 class Control:
@@ -101,6 +105,7 @@ class Control:
         self.sessions = sessions  # a node per lookup (module doc, "Sessions")
         self._next_session = SESSION_BASE
         self.pending_plans: set[int] = set()  # sessions whose plan grew since installed
+        self._plan_written = trio.Event()  # (set by each write to a plan session: `run`)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -159,6 +164,22 @@ class Control:
         self._next_session += 1
         self._handles[ino] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
         return ino
+
+    async def run(self) -> None:
+        """Under sessions: install the plans written to, once no plan was written for
+        PLAN_QUIET seconds. A plan arrives in many WRITEs, and each install parses the whole
+        plan again, so not at each; a writer that pauses longer has its plan installed as
+        far as written, then again whole."""
+        while True:
+            await self._plan_written.wait()
+            while True:
+                self._plan_written = trio.Event()
+                with trio.move_on_after(PLAN_QUIET):
+                    await self._plan_written.wait()
+                    continue  # written again: wait for quiet anew
+                break
+            if self.pending_plans:
+                self.install_plans()
 
     def install_plans(self) -> None:
         """Install the plans written to sessions since they were last installed (module
@@ -264,6 +285,7 @@ class Control:
                     self.last_result = result
                 if self.sessions and handle.spec is PLAN:
                     self.pending_plans.add(fh)
+                    self._plan_written.set()
             else:
                 raise pyfuse3.FUSEError(errno.EBADF)
         except (CommandError, Rejected, wire.WireError) as exc:
