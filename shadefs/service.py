@@ -35,9 +35,9 @@ from shadefs.cache.ssd_tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
-from shadefs.fs import kernel_hits
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
+from shadefs.kernel import no_open
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.prefetch.fetching import PrefetchSettings
@@ -119,7 +119,7 @@ class Service:
             passthrough_above=opts.passthrough_above,
         )
         self.loop_lag = LoopLag()
-        self.kernel_hits = kernel_hits.resolve(opts.kernel_hits)
+        self.kernel_hits = no_open.resolve(opts.kernel_hits)
         self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
         parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
         self.operations = Operations(*parts, kernel_hits=self.kernel_hits)

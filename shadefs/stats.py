@@ -39,7 +39,7 @@ class Metrics:
         self.passthrough_opens = 0
         self.control_errors = 0
         self.started = time.time()
-        self.no_open = False  # kernel hits (fs/kernel_hits.py): see Counters
+        self.no_open = False  # kernel hits (kernel/no_open.py): see Counters
 
     def describe(self) -> Counters:
         return Counters(

@@ -1,5 +1,5 @@
 """Kernel hits (FUSE no-open) driven through the handlers: what a READ that names an inode
-gets, the control directory's sessions, and the choice of mode (fs/kernel_hits.py)."""
+gets, the control directory's sessions, and the choice of mode (kernel/no_open.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import trio.testing
 
 from shadefs.control.entries import DIR_INODE, SESSION_BASE
 from shadefs.control.files import PLAN_QUIET
-from shadefs.fs import kernel_hits
+from shadefs.kernel import no_open
 from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
 from tests.test_fs_api import lookup_path, make_fs
@@ -169,8 +169,8 @@ def test_a_stock_pyfuse3_keeps_opens_and_says_why_once(
 ) -> None:
     monkeypatch.delattr(pyfuse3, "NO_OPEN_FH_IS_INODE", raising=False)
     with caplog.at_level(logging.INFO, logger="shadefs"):
-        assert kernel_hits.resolve("on") is False
-        assert kernel_hits.resolve("off") is False
+        assert no_open.resolve("on") is False
+        assert no_open.resolve("off") is False
     lines = [r for r in caplog.records if "kernel hits" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "kernel hits are off" in lines[0].getMessage()
@@ -178,5 +178,5 @@ def test_a_stock_pyfuse3_keeps_opens_and_says_why_once(
 
 def test_the_patched_pyfuse3_is_installed() -> None:
     # make setup builds it (tools/install-pyfuse3.sh): the mount tests need it in CI.
-    assert kernel_hits.supported(), "pyfuse3 lacks the no-open patch: run `make pyfuse3`"
-    assert kernel_hits.resolve("auto") and not kernel_hits.resolve("off")
+    assert no_open.supported(), "pyfuse3 lacks the no-open patch: run `make pyfuse3`"
+    assert no_open.resolve("auto") and not no_open.resolve("off")

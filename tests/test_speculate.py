@@ -353,7 +353,7 @@ def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_p
 
 
 def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
-    from shadefs.cache.kernel_pages import KernelPages
+    from shadefs.kernel.pages import KernelPages
 
     kernel = KernelPages()
     assert not kernel.opened(5) and kernel.opened(5)

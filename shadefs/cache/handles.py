@@ -18,7 +18,7 @@ thread.
 
 from __future__ import annotations
 
-from shadefs.cache.kernel_pages import KernelPages
+from shadefs.kernel.pages import KernelPages
 from shadefs.stats import HandleStats
 
 __all__ = ["HandleLedger"]

@@ -19,7 +19,7 @@ untouched and poisons the handle of a stream, so that a client retrying a short 
 the error too. Control parses and dispatches only: the daemon's service object, seen
 through control/service.py's ControlService, does the work.
 
-Sessions (under kernel hits, fs/kernel_hits.py): the kernel then opens every regular file
+Sessions (under kernel hits, kernel/no_open.py): the kernel then opens every regular file
 itself and never says when it closes one, and no `direct_io` can be asked for. So each
 lookup of a control file makes a node of its own (numbered from SESSION_BASE, entry and
 attribute timeouts 0, so that every path walk looks up anew): the node is the open file,

@@ -9,7 +9,7 @@ pages of the inode, and the handle's first read that reaches the daemon fetches.
 
 Which opens are deferred: those of inodes the kernel may hold pages of, that is, opened
 since the kernel last forgot them (a forget drops the kernel's inode with its pages):
-cache/kernel_pages.py keeps that without a per-file object. A wrong guess only changes
+kernel/pages.py keeps that without a per-file object. A wrong guess only changes
 which path an open takes (a deferred miss, or the fetch at open as before), never what it
 serves.
 
@@ -41,11 +41,11 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.ssd_format import Signature
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.revalidate import MOVED
+from shadefs.kernel.pages import KernelPages
 
 __all__ = ["Deferrals"]
 

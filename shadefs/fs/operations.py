@@ -37,14 +37,14 @@ from shadefs.control.files import Control
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import PUSH_MAX, entries_forgotten, push_pages
-from shadefs.fs.kernel_hits import KERNEL_PID
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.revalidate import MOVED
 from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
+from shadefs.kernel.no_open import KERNEL_PID
+from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
 from shadefs.source import OPENER, Source
 from shadefs.stats import Metrics
 
@@ -67,7 +67,7 @@ _PARTIAL = 64
 # source's timeout a second time.
 _RETRY_WINDOW = 1.0
 # A READ that answers ESTALE first waits this long at most for the kernel to drop the
-# node's dentry (fs/kernel.py, `entries_forgotten`).
+# node's dentry (kernel/notify.py, `entries_forgotten`).
 _FORGET_WAIT = 1.0
 
 
@@ -89,7 +89,7 @@ class Operations(ReadOnly):
         kernel_hits: bool = False,
     ) -> None:
         super().__init__()
-        # FUSE no-open mode (fs/kernel_hits.py): every open answers ENOSYS, and a read's
+        # FUSE no-open mode (kernel/no_open.py): every open answers ENOSYS, and a read's
         # `fh` is its inode.
         self.kernel_hits = metrics.no_open = kernel_hits
         self.blocks = blocks
@@ -258,7 +258,7 @@ class Operations(ReadOnly):
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
         if self.kernel_hits:
-            # No-open mode from here on (fs/kernel_hits.py): the kernel answers this open
+            # No-open mode from here on (kernel/no_open.py): the kernel answers this open
             # itself, and every later one without asking. What an open would do here, its
             # first read does (`_read_node`).
             raise pyfuse3.FUSEError(errno.ENOSYS)
@@ -408,7 +408,7 @@ class Operations(ReadOnly):
         return await self._read(fh, off, size)
 
     async def _read_node(self, inode: InodeT, off: int, size: int) -> bytes:
-        """A READ under no-open, which names the inode (fs/kernel_hits.py): the kernel lacks
+        """A READ under no-open, which names the inode (kernel/no_open.py): the kernel lacks
         these pages. A resident file whose version an earlier read verified (the record the
         hit path reads) is served at once; anything else is opened as an open would be,
         read, and let go. A read at offset 0 counts as the file's open: the kernel serves

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import pyfuse3
 
 from shadefs.cache.ssd_format import Signature
-from shadefs.fs.kernel import forget_entry
 from shadefs.fs.snapshots import InodeTable, Snapshot
+from shadefs.kernel.notify import forget_entry
 from shadefs.source import Source
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ Rules that keep it from ever slowing a job down:
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
   reader reads it in blocks or through, or whole from the SSD tier, not from staging;
-- while most deferred opens are served by the kernel's own pages (cache/kernel_pages.py),
+- while most deferred opens are served by the kernel's own pages (kernel/pages.py),
   a file the kernel may hold is not planned.
 
 A new epoch of the job (the tracker's) replaces the plan by a fresh one over the new
@@ -60,7 +60,7 @@ import numpy as np
 import trio
 
 from shadefs.cache.handles import HandleLedger
-from shadefs.cache.kernel_pages import KernelPages
+from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.prefetch.spec_plans import JobEpoch, Paths, SpecPlan
 from shadefs.readers.part import Readers
