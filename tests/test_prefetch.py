@@ -322,7 +322,7 @@ def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() 
 
 
 def test_a_groups_staged_file_waits_for_every_member() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
 
@@ -605,7 +605,7 @@ def test_a_reader_that_joined_a_failed_prefetch_batch_fetches_its_file_alone() -
 
 
 def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
     pf = _prefetcher(10_000)

@@ -19,7 +19,7 @@ import trio.testing
 
 from shadefs.cache.block_keys import is_piece
 from shadefs.cache.extents import EXTENT, STREAM_RUN, Extents, streak, streams
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs
 

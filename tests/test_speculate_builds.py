@@ -135,7 +135,7 @@ def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
 
 
 def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_it() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
     from shadefs.prefetch.spec_plans import JobEpoch
     from tests.test_prefetch import _prefetcher
 
@@ -173,7 +173,7 @@ def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_
 
 
 def test_a_known_order_keeps_its_order_when_staged_files_are_in_it() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
     from tests.test_prefetch import _plan, _prefetcher
 
     pf = _prefetcher(100 * SIZE)

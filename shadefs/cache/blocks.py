@@ -52,7 +52,7 @@ from shadefs.cache.block_keys import PIECE_BIT, block_key, block_relpath
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
-from shadefs.cache.ssd_format import Signature, StatLike
+from shadefs.file_version import Signature, StatLike
 from shadefs.source import Source
 from shadefs.stats import BlockStats
 

@@ -53,7 +53,7 @@ from typing import Generic, Protocol, TypeVar
 
 from shadefs.cache.block_keys import block_index, block_key, piece_key
 from shadefs.cache.entry import Entry
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.source_reads import pread_spread
 
 __all__ = [

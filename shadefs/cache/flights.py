@@ -27,7 +27,7 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["FileFlight", "Flight", "fly_many", "flying"]
 

@@ -27,13 +27,13 @@ from collections.abc import Iterable, Iterator
 from shadefs.cache.ssd_format import (
     HSIZE,
     VERSION,
-    Signature,
     Verdict,
     disk_size,
     entry_name,
     entry_size,
     read_header,
 )
+from shadefs.file_version import Signature
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,6 @@ from pathlib import Path
 from shadefs.cache.ssd_format import (
     HSIZE,
     MAX_RELPATH,
-    Signature,
     Verdict,
     disk_size,
     encode_header,
@@ -60,6 +59,7 @@ from shadefs.cache.ssd_format import (
 )
 from shadefs.cache.ssd_ledger import Ledger
 from shadefs.cache.ssd_owner import check_owner
+from shadefs.file_version import Signature
 from shadefs.source_paths import open_cached_at
 
 log = logging.getLogger(__name__)

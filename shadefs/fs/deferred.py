@@ -42,7 +42,7 @@ import pyfuse3
 import trio
 
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.revalidate import MOVED
 from shadefs.kernel.pages import KernelPages

@@ -24,7 +24,7 @@ import stat
 import numpy as np
 import pyfuse3
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs import records
 from shadefs.fs.snapshots import InodeTable, Snapshot
 

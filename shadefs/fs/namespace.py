@@ -36,8 +36,8 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
 from shadefs.control.entries import NAME
+from shadefs.file_version import Signature
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.opened import OpenRecords

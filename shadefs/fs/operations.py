@@ -31,9 +31,9 @@ from shadefs.cache.coordinator import Cache
 from shadefs.cache.entry import Entry
 from shadefs.cache.extents import advise
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
+from shadefs.file_version import Signature, StatLike
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE

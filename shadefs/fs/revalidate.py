@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import pyfuse3
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs.snapshots import InodeTable, Snapshot
 from shadefs.kernel.notify import forget_entry
 from shadefs.source import Source

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["RAM", "SSD", "FetchAhead", "Got", "Item", "Of", "PrefetchSettings"]
 

@@ -55,7 +55,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import RAM, SSD, FetchAhead, Item, Of, PrefetchSettings
 from shadefs.prefetch.holds import Holds
 from shadefs.prefetch.plans import Plan

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs.snapshots import STAT_DTYPE
 from shadefs.options import MountOptions
 from shadefs.prefetch import speculate

@@ -43,10 +43,11 @@ from benchlib import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature, encode_header, entry_name
+from shadefs.cache.ssd_format import BLOCK, HSIZE, encode_header, entry_name
 from shadefs.cache.ssd_ledger import NBUCKETS
 from shadefs.cache.ssd_store import CacheLocked, SsdStore
 from shadefs.common import format_size
+from shadefs.file_version import Signature
 
 GiB = 1 << 30
 
