@@ -104,7 +104,7 @@ def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
 
 def raise_nofile() -> None:
     """Raise the soft descriptor limit to the hard one: readers' pass-through opens each
-    hold a source descriptor, and 1,024 is soon reached (source.py caps them per user)."""
+    hold a source descriptor, and 1,024 is soon reached (source/part.py caps them per user)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:

@@ -50,7 +50,7 @@ from shadefs.sampling.builds import resident_among
 from shadefs.sampling.registry import PathTable, Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import VERSION as STATS_VERSION
 from shadefs.stats import JobStats, Metrics, Stats
 

@@ -80,7 +80,7 @@ class SourceStats:
     healthy: bool
     timeouts: int
     errors: int
-    inline_reads: int = 0  # files read on the event loop, without a thread (source_inline.py)
+    inline_reads: int = 0  # files read on the event loop, without a thread (source/inline.py)
     threads_busy: int = 0  # worker threads in a source call now, stuck ones included
     threads_stuck: int = 0  # of those, threads whose caller gave up (timed out or cancelled)
     queue_timeouts: int = 0  # calls that timed out waiting for a thread (all were busy)

@@ -11,13 +11,13 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from shadefs import source as source_mod
-from shadefs import source_paths
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.records import attrs_of_row, generation
-from shadefs.source import Source
+from shadefs.source import part as source_mod
+from shadefs.source import paths as source_paths
+from shadefs.source.part import Source
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, read_all, readdir_names
 

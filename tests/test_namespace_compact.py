@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.sampling.registry import PathTable
-from shadefs.source import Source
+from shadefs.source.part import Source
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, readdir_names
 

@@ -27,10 +27,10 @@ import numpy as np
 import pyfuse3
 import pytest
 
-from shadefs import source_paths
 from shadefs.fs.namespace import ROOT_INODE
-from shadefs.source import Source
-from shadefs.source_paths import Resolver
+from shadefs.source import paths as source_paths
+from shadefs.source.part import Source
+from shadefs.source.paths import Resolver
 from tests.conftest import KERNEL_HITS, FakeCtx, Mount
 
 CTX = FakeCtx()

@@ -478,7 +478,7 @@ def test_a_store_whose_directory_is_deleted_refuses_quietly(tmp_path: Path) -> N
 def test_fd_budget_caps_other_users_and_never_the_owner() -> None:
     import pyfuse3
 
-    from shadefs.source import FdBudget
+    from shadefs.source.part import FdBudget
 
     fds = FdBudget(80, owner=1000)
     assert (fds.per_user, fds.others) == (10, 40)

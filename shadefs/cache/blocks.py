@@ -53,7 +53,7 @@ from shadefs.cache.coordinator import Cache
 from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
 from shadefs.file_version import Signature, StatLike
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import BlockStats
 
 log = logging.getLogger(__name__)

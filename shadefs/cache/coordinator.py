@@ -42,7 +42,7 @@ from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import Job
 from shadefs.readers.part import Readers
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ from typing import Generic, Protocol, TypeVar
 from shadefs.cache.block_keys import block_index, block_key, piece_key
 from shadefs.cache.entry import Entry
 from shadefs.file_version import Signature
-from shadefs.source_reads import pread_spread
+from shadefs.source.reads import pread_spread
 
 __all__ = [
     "EXTENT",
@@ -343,7 +343,7 @@ def pread_stat(
 ) -> tuple[bytes, os.stat_result | None]:
     """One worker-thread call (blocks and extents): read, then, if `signed`, fstat the same
     descriptor to sign the bytes. `piece`: a random reader's descriptor, whose large reads
-    go in pieces of that size at once (source_reads.py)."""
+    go in pieces of that size at once (source/reads.py)."""
     data = pread_spread(fd, n, off, piece)
     while 0 < len(data) < n:  # short reads of NFS are legal
         more = os.pread(fd, n - len(data), off + len(data))

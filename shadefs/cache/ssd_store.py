@@ -60,7 +60,7 @@ from shadefs.cache.ssd_format import (
 from shadefs.cache.ssd_ledger import Ledger
 from shadefs.cache.ssd_owner import check_owner
 from shadefs.file_version import Signature
-from shadefs.source_paths import open_cached_at
+from shadefs.source.paths import open_cached_at
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ the names up again (docs/developer-notes.md, "Identity").
 
 When the source is not answering, revalidation falls back to what it has: cached files keep
 being served and `ls` works on the last snapshot. The source never follows a symlink
-(source.py): a path through a directory swapped for a symlink fails with ELOOP, which counts
+(source/part.py): a path through a directory swapped for a symlink fails with ELOOP, which counts
 as "gone" like ENOENT, and `resolve` answers it missing.
 """
 
@@ -46,7 +46,7 @@ from shadefs.fs.relisting import Relisting
 from shadefs.fs.resolving import Resolving
 from shadefs.fs.revalidate import GONE, Revalidation
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import NamespaceStats
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.kernel.no_open import KERNEL_PID
 from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
-from shadefs.source import OPENER, Source
+from shadefs.source.part import OPENER, Source
 from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ class Operations(ReadOnly):
             raise pyfuse3.FUSEError(errno.ENOSYS)
         if Control.owns(inode):
             return self.control.open(inode, flags, ctx)
-        # Source descriptors this open takes count against the opener (source.py).
+        # Source descriptors this open takes count against the opener (source/part.py).
         token = OPENER.set(ctx.uid)
         try:
             return await self._open(inode, flags, ctx.pid)

@@ -14,7 +14,7 @@ from shadefs.fs import records
 from shadefs.fs.records import Resolved
 from shadefs.fs.revalidate import GONE
 from shadefs.fs.snapshots import Snapshot
-from shadefs.source import Source
+from shadefs.source.part import Source
 
 
 class Resolving:

@@ -30,7 +30,7 @@ import pyfuse3
 from shadefs.file_version import Signature
 from shadefs.fs.snapshots import InodeTable, Snapshot
 from shadefs.kernel.notify import forget_entry
-from shadefs.source import Source
+from shadefs.source.part import Source
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyfuse3
 
 from shadefs.fs.namespace import Namespace
-from shadefs.source import Source
+from shadefs.source.part import Source
 
 BLOCK = 256
 _UNKNOWN, _NONE = -1, 0
