@@ -29,9 +29,9 @@ import trio
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.policies import POLICIES, Owned
-from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
-from shadefs.cache.ssd_store import CacheLocked, SsdStore
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.ssd.owner import CacheUntrusted, check_owner
+from shadefs.cache.ssd.store import CacheLocked, SsdStore
+from shadefs.cache.ssd.tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected

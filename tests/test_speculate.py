@@ -338,7 +338,7 @@ def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_p
     # An SSD hit is never deferred, so `held` never learns that a drop of the page cache
     # took the kernel's pages (e2e (g)): an SSD entry is planned all the same, since its open
     # reads the entry whether or not the kernel has it.
-    from shadefs.cache.ssd_store import SsdStore
+    from shadefs.cache.ssd.store import SsdStore
     from shadefs.file_version import Signature
 
     ssd = SsdStore(tmp_path / "ssd", 1 << 30, min_free=0)

@@ -454,7 +454,7 @@ def test_forged_channel_headers_are_refused_before_buffering(tmp_path: Path, mou
 
 
 def test_a_store_whose_directory_is_deleted_refuses_quietly(tmp_path: Path) -> None:
-    from shadefs.cache.ssd_store import SsdStore
+    from shadefs.cache.ssd.store import SsdStore
     from shadefs.file_version import Signature
 
     sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)
@@ -509,8 +509,8 @@ async def test_a_tier_whose_directory_is_deleted_restores_and_evicts_without_dyi
     import trio
 
     from shadefs.cache.policies.lru import LruPolicy
-    from shadefs.cache.ssd_store import SsdStore
-    from shadefs.cache.ssd_tier import SsdTier
+    from shadefs.cache.ssd.store import SsdStore
+    from shadefs.cache.ssd.tier import SsdTier
     from shadefs.file_version import Signature
 
     sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)

@@ -35,8 +35,8 @@ from shadefs.cache.handles import HandleLedger
 from shadefs.cache.hits import Hits
 from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Policy, make_policy
-from shadefs.cache.ssd_store import SsdStore
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.ssd.store import SsdStore
+from shadefs.cache.ssd.tier import SsdTier
 from shadefs.file_version import Signature, StatLike
 from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher

@@ -26,7 +26,7 @@ import numpy as np
 from shadefs.cache.entry import Entry
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.ssd.tier import SsdTier
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.batch import BATCH_MIN
 from shadefs.readers.jobs import Job

@@ -2,7 +2,7 @@
 it is told of, and the mount's prefetch settings.
 
 The cache owns the prefetcher (cache/coordinator.py) and hands it callables of these types;
-the SSD tier reads its staged entries through the same `FetchAhead` (cache/ssd_tier.py). So
+the SSD tier reads its staged entries through the same `FetchAhead` (cache/ssd/tier.py). So
 neither side imports the other's module for them.
 """
 

@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
-from shadefs.cache.ssd_format import (
+from shadefs.cache.ssd.format import (
     HSIZE,
     VERSION,
     Verdict,

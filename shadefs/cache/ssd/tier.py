@@ -36,8 +36,8 @@ import trio
 
 from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_format import Verdict, disk_size, entry_size
-from shadefs.cache.ssd_store import SsdStore
+from shadefs.cache.ssd.format import Verdict, disk_size, entry_size
+from shadefs.cache.ssd.store import SsdStore
 from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import FetchAhead, Got, Item
 from shadefs.stats import RestoreStats, SsdStats
