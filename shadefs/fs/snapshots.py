@@ -1,6 +1,6 @@
 """Compact per-file state for the namespace: directory snapshots and the inode table.
 
-A million-file tree must not cost a Python object per file (DESIGN.md §6), so:
+A million-file tree must not cost a Python object per file (docs/design.md §6), so:
 
 - a `Snapshot` is one directory's listing: its names in one bytes buffer with an offset
   array, the lstat fields the mount serves in a numpy structured array (84 B a row), the

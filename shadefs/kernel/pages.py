@@ -7,7 +7,7 @@ daemon. The daemon cannot see those pages. What it knows:
 - the kernel holds no pages of an inode it has not opened since it last forgot it (a
   forget drops the kernel's inode with its pages). `opened` keeps that per inode in a
   fixed bytearray indexed by the inode number's low bits: one byte a slot, no per-file
-  object (DESIGN.md §6); a collision says "may hold" for a file that does not, which only
+  object (docs/design.md §6); a collision says "may hold" for a file that does not, which only
   costs what a wrong guess costs below;
 - how often a deferred open (cache/lazy.py: a miss answered before its fetch) was released
   without a read, that is, served from the kernel's pages: `held`, a moving average over

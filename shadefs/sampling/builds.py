@@ -3,7 +3,7 @@
 Each function reads only its arguments (array snapshots: a copy of the scores, the
 registered arrays, which a registration replaces rather than mutates, a list of the cached
 keys) and returns new objects, so `Sampling` runs them in a worker thread while the event
-loop serves reads (DESIGN.md §6; docs/developer-notes.md, "One thread").
+loop serves reads (docs/design.md §6; docs/developer-notes.md, "One thread").
 """
 
 from __future__ import annotations

@@ -117,9 +117,9 @@ def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
         raise RuntimeError(f"SsdStore.put refused {relpath!r}: is the disk full?")
     path = store.key_path(relpath)
     if path.name != entry_name(relpath) or path.parent.name != path.name[:3]:
-        raise RuntimeError(f"entry naming changed in ssd/store.py: {path}")
+        raise RuntimeError(f"entry naming changed in cache/ssd/store.py: {path}")
     if path.read_bytes() != encode_entry(relpath, data, sig):
-        raise RuntimeError("the entry format changed in ssd/store.py: update encode_entry")
+        raise RuntimeError("the entry format changed in cache/ssd/store.py: update encode_entry")
     if store.get(relpath, sig) != data:
         raise RuntimeError("SsdStore.get does not return what was put")
 

@@ -2,7 +2,7 @@
 
 Under shuffled epochs every file is read once per epoch, so the best any demand cache can
 do is keep a fixed set until it has been read this epoch (hit ratio f = cache/dataset, the
-bound that Belady's MIN also reaches), while LRU thrashes (DESIGN.md fact 1).
+bound that Belady's MIN also reaches), while LRU thrashes (docs/design.md fact 1).
 
 The policy is a pure ranker over the readers' tracker (readers/tracker.py), which alone
 knows each job's epoch and what it read: an entry's rank is the number of active jobs that
