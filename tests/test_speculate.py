@@ -133,7 +133,7 @@ def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE, **kw):
     """`kw`: more of the cache's arguments (an SSD tier's)."""
     source = _CountingSource(delay=0.005)
     cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window, **kw)
-    spec = Speculator(cache, idle=idle, seed=0)
+    spec = Speculator(cache, cache.handles.kernel, idle=idle, seed=0)
     return source, cache, spec
 
 
@@ -220,12 +220,12 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3])), 20 * SIZE)
     pf = cache.prefetcher
     assert pf is not None
-    off = Speculator(cache, enabled=False)
+    off = Speculator(cache, cache.handles.kernel, enabled=False)
     trio.run(_read, cache, source, 1)
     off.sync()
     off.tend(time.monotonic())
     assert not off.plans and len(cache.readers.jobs.jobs[0].reads) == 0  # read in, no plan
-    on = Speculator(cache)
+    on = Speculator(cache, cache.handles.kernel)
     trio.run(_read, cache, source, 2)
     pf.add_plan(Plan("sampler", np.array([3], dtype=np.uint64), [b"p3"], np.array([SIZE])))
     on.sync()
@@ -282,7 +282,7 @@ def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> Non
         d = FakeListing(b"d", list(range(1, 41)))
         d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
         cache = _cache(source, _listings(d), 200 * SIZE)
-        spec = Speculator(cache, seed=0)
+        spec = Speculator(cache, cache.handles.kernel, seed=0)
         assert cache.ram_max < 2 * SIZE
         for key in (3, 5):
             await _read(cache, source, key)

@@ -50,7 +50,7 @@ def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_jo
         source = _CountingSource(delay=0.001)
         files, more = FakeListing(b"d", list(range(1, 21))), FakeListing(b"e", [21, 22])
         cache = _cache(source, _listings(files, more), 100 * SIZE)
-        spec = Speculator(cache, seed=0, offload_above=0)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, offload_above=0)
         await _read(cache, source, 1)  # cached: never planned
         readers = cache.readers
         for key in (2, 3):  # read, not cached
@@ -97,7 +97,7 @@ def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
     async def run() -> None:
         source = _CountingSource(delay=0.001)
         cache = _cache(source, _listings(FakeListing(b"d", list(range(1, 21)))), 100 * SIZE)
-        spec = Speculator(cache, offload_above=0)
+        spec = Speculator(cache, cache.handles.kernel, offload_above=0)
         pf = cache.prefetcher
         assert pf is not None
         await _read(cache, source, 1)

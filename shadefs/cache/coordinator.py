@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import pyfuse3
 import trio
@@ -34,10 +34,11 @@ from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.hits import Hits
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.policies import Policy, make_policy
+from shadefs.cache.policies import Owned, Policy, make_policy
 from shadefs.cache.ssd.store import SsdStore
 from shadefs.cache.ssd.tier import SsdTier
 from shadefs.file_version import Signature, StatLike
+from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import Job
@@ -70,12 +71,14 @@ class Cache(Hits):
         readers: Readers | None = None,
         owns: Callable[[int], bool] | None = None,
         block_size: int = 0,
+        kernel_pages: KernelPages | None = None,
     ) -> None:
         """`policy`: every tier's (ValueError if unknown); `score_of`: importance for
         `shade`; `owns`: a multi-node job's ownership; `ssd`: an SSD tier's store (restored
         entries get keys from `key_of_ino`); `handle_limit`: what open handles keep alive
         outside the RAM budget (None: the budget); `readers` (fresh if None): who reads
-        what; `block_size`: that of large files' blocks (cache/blocks.py)."""
+        what; `block_size`: that of large files' blocks (cache/blocks.py); `kernel_pages`:
+        which files the kernel may hold pages of (the service's, fresh if None)."""
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -97,7 +100,7 @@ class Cache(Hits):
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, FileFlight] = {}
         self.fetchlog = FetchLog(self.readers.tracker)  # refetches within an epoch
-        self.handles = HandleLedger()
+        self.handles = HandleLedger(kernel_pages)
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
         settings, reads_left = prefetch, self.pending.group_reads_left
@@ -390,6 +393,19 @@ class Cache(Hits):
             for key, (_, disk) in self.ssd.index.items():
                 ssd_policy.inserted(key, disk)
             self.ssd.policy = ssd_policy
+
+    async def reclassify(self, unowned: Callable[[list[int]], Awaitable[list[int] | None]]) -> None:
+        """A multi-node job's ownership changed: each tier's policy, where it tells owned
+        entries from guests (`Owned`), sorts its entries again. `unowned(keys)` names the
+        guests (off the loop; None if the ownership changed meanwhile); the policy in force
+        then takes them (entries admitted meanwhile were sorted on insertion)."""
+        for i in range(len(self._policies())):
+            policy = self._policies()[i]
+            if isinstance(policy, Owned):
+                guests = await unowned(list(policy.sizes))
+                policy = self._policies()[i]
+                if guests is not None and isinstance(policy, Owned):
+                    policy.reclassify(guests)
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         """A sampler announced epoch `epoch` for job `job` (None: for every job), with a

@@ -66,6 +66,7 @@ from shadefs.control.entries import (
 )
 from shadefs.control.service import ControlService, Rejected
 from shadefs.ops.stats_text import render_text
+from shadefs.prefetch.plans import writer_name
 from shadefs.sampling import wire
 from shadefs.stats import Metrics, Stats
 
@@ -162,7 +163,7 @@ class Control:
         self.check_access(ctx)
         ino = self._next_session
         self._next_session += 1
-        self._handles[ino] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
+        self._handles[ino] = Handle(spec, self._content(spec), writer_name(ctx.pid), ctx.pid)
         return ino
 
     async def run(self) -> None:
@@ -229,7 +230,7 @@ class Control:
         fh = self._next_fh
         self._next_fh += 1
         # One plan per writing process: a job that writes a new plan replaces its old one.
-        self._handles[fh] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
+        self._handles[fh] = Handle(spec, self._content(spec), writer_name(ctx.pid), ctx.pid)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     def _content(self, spec: Spec) -> bytes | bytearray:

@@ -45,6 +45,7 @@ from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.kernel.no_open import KERNEL_PID
 from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
+from shadefs.kernel.pages import KernelPages
 from shadefs.source.part import OPENER, Source
 from shadefs.stats import Metrics
 
@@ -86,6 +87,8 @@ class Operations(ReadOnly):
         metrics: Metrics,
         source: Source,
         blocks: Blocks | None = None,
+        *,
+        kernel_pages: KernelPages,
         kernel_hits: bool = False,
     ) -> None:
         super().__init__()
@@ -110,7 +113,8 @@ class Operations(ReadOnly):
         self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
         self._failed: dict[int, float] = {}  # kernel hits: inode -> when a READ of it failed
         # Misses fetched at their first read, where the kernel may hold the pages.
-        self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
+        # (`kernel_pages`: the service's one map, which the cache's deferred opens feed)
+        self.deferrals = Deferrals(ns, cache.unpin, kernel_pages)
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin

@@ -17,7 +17,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "ctl_name", "order_name", "speculative_name", "writer_name"]
+
+
+# Every plan's name is made here: they are what stats.json and `drop` show and take.
+def order_name(seed: int, group: str, world_size: int, rank: int) -> str:
+    """A rank's share of a known order (a sweep group's members share one)."""
+    return f"order:{f'group={group}' if group else f'seed={seed}'}:world={world_size}:rank={rank}"
+
+
+def ctl_name(n: int) -> str:
+    """The `n`th plan a `prefetch` command made."""
+    return f"ctl:{n}"
+
+
+def writer_name(pid: int) -> str:
+    """The plan process `pid` writes to `.shadefs/plan` (each write replaces its last)."""
+    return f"plan:pid={pid}"
+
+
+def speculative_name(owner: str) -> str:
+    """A speculative plan over the unread files of job `owner`."""
+    return f"speculate:{owner}"
+
 
 # The read rate is re-estimated every this many reads.
 _RATE_EVERY = 16

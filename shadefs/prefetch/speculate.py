@@ -59,8 +59,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import trio
 
-from shadefs.cache.handles import HandleLedger
 from shadefs.kernel.pages import KernelPages
+from shadefs.prefetch.plans import speculative_name
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.prefetch.spec_plans import JobEpoch, Paths, SpecPlan
 from shadefs.readers.part import Readers
@@ -76,8 +76,6 @@ class Cache(Protocol):
     def prefetcher(self) -> Prefetcher | None: ...
     @property
     def readers(self) -> Readers: ...
-    @property
-    def handles(self) -> HandleLedger: ...
     @property
     def ram_max(self) -> int: ...
     @property
@@ -153,6 +151,7 @@ class Speculator:
     def __init__(
         self,
         cache: Cache,
+        kernel: KernelPages,
         *,
         enabled: bool = True,
         idle: float = IDLE,
@@ -160,6 +159,7 @@ class Speculator:
         offload_above: int = OFFLOAD_ABOVE,
     ) -> None:
         self.cache = cache
+        self.kernel = kernel  # which files the kernel may hold pages of (the service's)
         self.tracker = cache.readers.tracker
         self.enabled = enabled and cache.prefetcher is not None
         self.idle = idle
@@ -217,7 +217,7 @@ class Speculator:
             return
         t = self.tracker
         known = any(not p.speculative for p in pf.plans.values())
-        flipped = self.cache.handles.kernel.trusted != self._trusted
+        flipped = self.kernel.trusted != self._trusted
         for row in self._owner:
             plan = self.plans.get(row)
             # A job that announces its epochs has a sampler whose orders the daemon knows
@@ -252,12 +252,12 @@ class Speculator:
         # twice (and never taken when its blocks are on the SSD already).
         limit = min(cache.ram_max, cache.handle_limit)
         owner = self._owner[row]
-        kernel = cache.handles.kernel
+        kernel = self.kernel
         self._trusted = kernel.trusted
         held = kernel if self._trusted else None  # the kernel serves what it holds
         unread = t.unread(row)
         snap = _Snapshot(
-            f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
+            speculative_name(owner), t.keys, t.sizes, t.where, t.listings, unread, limit,
             cache.cached_keys(ssd=False), cache.cached_keys(ram=False) if held else [],
             int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]), held,
         )  # fmt: skip
