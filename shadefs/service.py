@@ -21,7 +21,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,20 +75,26 @@ class Service:
     :operations: the pyfuse3 request handlers that the daemon mounts
     """
 
-    def __init__(self, opts: MountOptions) -> None:
-        """Build the parts for `opts`; QuietError when the SSD cache cannot be used."""
+    def __init__(self, opts: MountOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        """Build the parts for `opts`; QuietError when the SSD cache cannot be used. `clock`:
+        seconds, the one clock of every part that keeps time (tests hand one they move)."""
         self.mountpoint = os.path.abspath(opts.mountpoint)
         self.source = Source(
             opts.source,
             max_threads=opts.source_threads,
             timeout=opts.source_timeout,
             inline=opts.inline_reads,
+            clock=clock,
         )
-        self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
+        self.namespace = Namespace(
+            self.source, timeout=opts.revalidate, revalidate=opts.revalidate, clock=clock
+        )
         self.metrics = Metrics()
         self.sampling = Sampling()
         listing_of = self.namespace.listing_of_file
-        self.readers = Readers(JobTable(opts.job_idle), self.sampling.pending, listing_of)
+        self.readers = Readers(
+            JobTable(opts.job_idle, clock=clock), self.sampling.pending, listing_of
+        )
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
         block_size = max(opts.block_size, 4096)
@@ -113,8 +119,11 @@ class Service:
             owns=self.sampling.owns_key,
             block_size=block_size,
             kernel_pages=self.kernel_pages,
+            clock=clock,
         )
-        self.speculator = Speculator(self.cache, self.kernel_pages, enabled=opts.speculate)
+        self.speculator = Speculator(
+            self.cache, self.kernel_pages, enabled=opts.speculate, clock=clock
+        )
         pf = self.cache.prefetcher
         self._orders = OrderPlans(pf) if pf is not None else None  # the sampler's orders
         # Read-ahead inside large files shares the prefetch window's size.
@@ -125,6 +134,7 @@ class Service:
             block_size=block_size,
             window=window,
             passthrough_above=opts.passthrough_above,
+            clock=clock,
         )
         self.loop_lag = LoopLag()
         self.kernel_hits = no_open.resolve(opts.kernel_hits)

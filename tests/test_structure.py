@@ -26,6 +26,7 @@ ONE_CONCEPT = {
     "shadefs/fs/operations.py": "the pyfuse3 request handlers, one per request type",
     "shadefs/stats.py": "the one typed stats schema and its JSON form",
     "shadefs/cache/coordinator.py": "the cache's face: RAM tier, single flight, accounting",
+    "shadefs/prefetch/prefetcher.py": "the staging buffer and the scheduler that fills it",
 }
 ONE_CONCEPT_MAX = 800
 UI_LIBRARIES = ("rich", "tqdm", "matplotlib", "torch", "PIL")
@@ -337,3 +338,42 @@ def test_every_file_a_comment_cites_exists() -> None:
         if not _exists(m.group(1), path, names)
     )
     assert not missing, "cited files that are not in the repository:\n  " + "\n  ".join(missing)
+
+
+def _calls_of(tree: ast.AST, module: str, name: str) -> list[int]:
+    """The lines where `tree` calls `module.name(...)`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == module
+    ]
+
+
+def test_every_part_that_keeps_time_takes_a_clock() -> None:
+    """The parts read time only through the clock they were handed (`time.monotonic` as a
+    default), so that their tests move a clock instead of sleeping (docs/design.md §9)."""
+    parts = ("fs", "cache", "prefetch", "readers", "source")
+    calls = sorted(
+        f"{path.relative_to(REPO)}:{line}"
+        for part in parts
+        for path in (PACKAGE / part).rglob("*.py")
+        for line in _calls_of(ast.parse(path.read_text()), "time", "monotonic")
+    )
+    assert not calls, "time.monotonic() called where a clock should be:\n  " + "\n  ".join(calls)
+
+
+def test_no_async_test_sleeps() -> None:
+    """A real sleep inside an async test stops the event loop it runs on: tests move a
+    FakeClock or trio's MockClock instead."""
+    sleeps = sorted(
+        f"{path.name}:{fn.name}:{line}"
+        for path in (REPO / "tests").glob("*.py")
+        for fn in ast.walk(ast.parse(path.read_text()))
+        if isinstance(fn, ast.AsyncFunctionDef)
+        for line in _calls_of(fn, "time", "sleep")
+    )
+    assert not sleeps, "time.sleep in async tests:\n  " + "\n  ".join(sleeps)

@@ -72,13 +72,16 @@ class Cache(Hits):
         owns: Callable[[int], bool] | None = None,
         block_size: int = 0,
         kernel_pages: KernelPages | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`policy`: every tier's (ValueError if unknown); `score_of`: importance for
         `shade`; `owns`: a multi-node job's ownership; `ssd`: an SSD tier's store (restored
         entries get keys from `key_of_ino`); `handle_limit`: what open handles keep alive
         outside the RAM budget (None: the budget); `readers` (fresh if None): who reads
         what; `block_size`: that of large files' blocks (cache/blocks.py); `kernel_pages`:
-        which files the kernel may hold pages of (the service's, fresh if None)."""
+        which files the kernel may hold pages of (the service's, fresh if None); `clock`:
+        seconds, for the time opens wait on the source."""
+        self._clock = clock
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -105,7 +108,7 @@ class Cache(Hits):
         self.handle_passthrough = 0  # opens read through because handles held too much
         settings, reads_left = prefetch, self.pending.group_reads_left
         self.prefetcher = (
-            Prefetcher.with_settings(settings, self.fetch_ahead, self.tier_of, reads_left)
+            Prefetcher.with_settings(settings, self.fetch_ahead, self.tier_of, reads_left, clock)
             if settings
             else None
         )
@@ -114,7 +117,9 @@ class Cache(Hits):
         if ssd is not None:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
-            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino, block_size=block_size)
+            self.ssd = SsdTier(
+                ssd, self._make_policy(policy), key_of_ino, block_size=block_size, clock=clock
+            )
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -231,11 +236,11 @@ class Cache(Hits):
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:
         """A miss's fetch, pinned if `pin`; staged bytes first (a lazy open leaves them)."""
         b = self.prefetcher.take(key, sig := Signature.of(st)) if self.prefetcher else None
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:  # (b: the bytes staged for the file, if any)
             got = await self._fetch(key, path, st) if b is None else self._adopt(key, path, b, sig)
         finally:
-            self.blocked += time.monotonic() - t0
+            self.blocked += self._clock() - t0
         if pin:
             self._pin(key, got)
         return got

@@ -111,11 +111,14 @@ class Ranges(Generic[H]):
         block_size: int,
         limit: int,
         ram: PieceTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pread(handle, n, offset, signed)` -> (bytes, clean): clean is False if a signed
         read found the file changed; an unsigned read is clean when it is whole. `ram`: the
-        RAM tier that keeps pieces under its policy (None: the LRU alone keeps extents)."""
+        RAM tier that keeps pieces under its policy (None: the LRU alone keeps extents).
+        `clock`: seconds, for how often a handle's reads are signed."""
         self._pread = pread
+        self._clock = clock
         self.block_size = block_size
         self.extent = min(EXTENT, block_size)
         self.per_block = -(-block_size // self.extent)
@@ -202,7 +205,7 @@ class Ranges(Generic[H]):
             self._missed(h, i, first, stop)
             lo = base + first * ext
             n = min(base + stop * ext, base + bs, h.size) - lo
-            now = time.monotonic()
+            now = self._clock()
             signed = now - h.checked >= self.check_period
             confirm: list[tuple[int, int, bytes]] = []
             if signed:

@@ -19,7 +19,6 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -98,6 +97,7 @@ class Operations(ReadOnly):
         self.blocks = blocks
         self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
+        self._clock = ns.clock  # (the namespace's: the ages of its checks)
         self.cache = cache
         self.control = control
         self.metrics = metrics
@@ -241,7 +241,7 @@ class Operations(ReadOnly):
         # cache miss on a warm open, where the kernel and the readers ran in between.)
         data = rec[3]
         cache, ns = self.cache, self.ns
-        if time.monotonic() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
+        if self._clock() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
             return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
@@ -283,7 +283,7 @@ class Operations(ReadOnly):
         changes = self.ns.changes  # whether a node changed while this open awaited
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
-        due = time.monotonic() - checked >= self.ns.revalidate
+        due = self._clock() - checked >= self.ns.revalidate
         if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
             raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
@@ -426,7 +426,7 @@ class Operations(ReadOnly):
         if rec is not None:
             data = rec[3]
             cache = self.cache
-            if time.monotonic() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
+            if self._clock() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
                 if not off:
                     cache.hit(inode, data, KERNEL_PID, rec[2])
                     self._unpin(data)  # (`hit` pins for a handle; this read holds none)
@@ -442,7 +442,7 @@ class Operations(ReadOnly):
         got = self._partial.get(inode)
         if got is None:
             failed = self._failed.get(inode)
-            if failed is not None and time.monotonic() - failed < _RETRY_WINDOW:
+            if failed is not None and self._clock() - failed < _RETRY_WINDOW:
                 raise pyfuse3.FUSEError(errno.EIO)  # (the kernel's retry of a failed READ)
             try:
                 fh = (await self._open(inode, os.O_RDONLY, KERNEL_PID)).fh
@@ -472,7 +472,7 @@ class Operations(ReadOnly):
         return chunk
 
     def _failed_read(self, inode: int) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if len(self._failed) >= _PARTIAL:
             self._failed = {i: t for i, t in self._failed.items() if now - t < _RETRY_WINDOW}
         self._failed[inode] = now

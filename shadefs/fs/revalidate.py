@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import stat
-import time
 from collections.abc import Callable
 
 import pyfuse3
@@ -48,6 +47,7 @@ class Revalidation:
     source: Source
     revalidate: float
     revalidations: int
+    clock: Callable[[], float]
     changed_files: int
     table: InodeTable
     listings: dict[int, int]
@@ -66,7 +66,7 @@ class Revalidation:
         servable), unless `force`."""
         snap, i = self.locate(ino)
         old = snap.stat(i)
-        now = time.monotonic()
+        now = self.clock()
         if not force and (now - snap.checked[i] < self.revalidate or not self.source.healthy):
             return False
         path = snap.child_path(i)

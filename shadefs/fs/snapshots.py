@@ -126,7 +126,7 @@ class Snapshot:
     :path: the directory's path relative to the source root
     :rows: STAT_DTYPE[n]; :ino: the FUSE inode number of each row (uint64[n])
     :lookups: the kernel's references to each row's inode (uint32[n])
-    :checked: time.monotonic() of each row's last signature check (float64[n])
+    :checked: the namespace's clock at each row's last signature check (float64[n])
     :xattrs: whether each row has extended attributes, once asked (fs/xattrs.py)
     :refs: how many inode-table entries point into this snapshot
     :slot: its index in the namespace's snapshot list

@@ -49,7 +49,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyfuse3
@@ -83,9 +83,14 @@ class Prefetcher:
 
     @classmethod
     def with_settings(
-        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Of, reads_left: Of
+        cls,
+        settings: PrefetchSettings,
+        fetch_ahead: FetchAhead,
+        tier_of: Of,
+        reads_left: Of,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Prefetcher:
-        return cls(fetch_ahead, tier_of, reads_left, **dataclasses.asdict(settings))
+        return cls(fetch_ahead, tier_of, reads_left, clock=clock, **dataclasses.asdict(settings))
 
     def __init__(
         self,
@@ -96,7 +101,10 @@ class Prefetcher:
         window: int,
         max_workers: int = 16,
         abandon_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: seconds, for the plans' pace and idleness and the fetches' latency."""
+        self._clock = clock
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
         self._reads_left = reads_left  # a key's reads to come while a sweep group reads
@@ -128,6 +136,7 @@ class Prefetcher:
         if old is not None:
             log.debug("plan %s replaced", plan.name)
         self.plans[plan.name] = plan
+        plan.stamp(self._clock())
         if len(plan):
             plan.span = int(self.window // max(1.0, float(plan.sizes.mean())))
         if self.staged or self._inflight:
@@ -150,7 +159,7 @@ class Prefetcher:
         """Called for every open of a regular file (the readers' progress). A wake per read
         ran a round per open, each fetching the one file whose room the read freed: only a
         new pace that allows more calls wakes the scheduler (module doc)."""
-        now = time.monotonic()
+        now = self._clock()
         paced = False
         for plan in self.plans.values():
             if plan.observe(key, now) and plan.paced:
@@ -226,7 +235,7 @@ class Prefetcher:
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
             self.kept += 1
-        self.holds.hold(key, reads, time.monotonic())
+        self.holds.hold(key, reads, self._clock())
         return True
 
     def _wanted_again(self, key: int, size: int) -> bool:
@@ -341,7 +350,7 @@ class Prefetcher:
 
     async def _fetch(self, batch: Sequence[Item], origins: Sequence[_Origin]) -> None:
         """One fetch call: `batch`'s files read in one worker thread, then staged."""
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:
             got, seconds = await self._fetch_ahead(batch)
         except pyfuse3.FUSEError as exc:
@@ -356,7 +365,7 @@ class Prefetcher:
             self._wake.set()
             joined = self._joined.intersection([key for key, _, _ in batch])
             self._joined -= joined
-        self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
+        self.latency = (1 - _EWMA) * self.latency + _EWMA * (self._clock() - t0)
         if seconds > 0:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
         # `_stage` asks the plans, never their planner: a fetch re-enters no planner.
@@ -389,7 +398,7 @@ class Prefetcher:
             for plan in plans.values():
                 most = np.maximum(most, np.where(plan.unread(keys), plan.readers, 0))
             readers = most.tolist()
-        now = time.monotonic()
+        now = self._clock()
         for (key, data, sig), n in zip(landed, readers, strict=True):
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
@@ -406,7 +415,7 @@ class Prefetcher:
                 self.holds.hold(key, n, now)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         ended = []
         for name, plan in self.plans.items():
             if plan.done:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -157,7 +158,9 @@ class Speculator:
         idle: float = IDLE,
         seed: int | None = None,
         offload_above: int = OFFLOAD_ABOVE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock  # (the prefetcher's: plans' pace and jobs' idleness)
         self.cache = cache
         self.kernel = kernel  # which files the kernel may hold pages of (the service's)
         self.tracker = cache.readers.tracker
@@ -183,7 +186,7 @@ class Speculator:
                 while True:
                     await trio.sleep(PERIOD)
                     self.sync()
-                    self.tend(time.monotonic())
+                    self.tend(self._clock())
         finally:
             self._nursery = None
             self._building.clear()
@@ -191,7 +194,7 @@ class Speculator:
     def sync(self) -> None:
         """Take in every job's logged opens: they consume its plan's entries. It plans
         nothing (`tend` does, also for a job whose epoch moved)."""
-        now = time.monotonic()
+        now = self._clock()
         self.tracker.settle()
         jobs = self.cache.readers.jobs.jobs
         for row in [r for r, o in self._owner.items() if r not in jobs or jobs[r].id != o]:
@@ -273,7 +276,7 @@ class Speculator:
         finally:
             if self._building.get(row) is building:
                 del self._building[row]
-        t, now = self.tracker, time.monotonic()
+        t, now = self.tracker, self._clock()
         if self._owner.get(row) != building.owner or t.epoch[row] != building.epoch:
             # `tend` plans the new epoch (or the row's new job) afresh.
             log.debug("job row %d: a plan built for an older epoch is dropped", row)

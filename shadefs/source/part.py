@@ -166,7 +166,9 @@ class Source:
         use_openat2: bool | None = None,
         fd_budget: int | None = None,
         inline: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        self._clock = clock  # (seconds: how long an outage has lasted)
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
         # Small files the source has cached are read on the loop (source/inline.py).
@@ -216,7 +218,7 @@ class Source:
             self.timeouts += 1
             if self.healthy:
                 self.healthy = False
-                self._outage_since = time.monotonic()
+                self._outage_since = self._clock()
                 log.error(
                     "source %s did not answer within %.1f s: serving cached files only, "
                     "misses fail with EIO until it recovers",
@@ -280,7 +282,7 @@ class Source:
             log.warning(
                 "source %s answers again after %.1f s",
                 os.fsdecode(self.root),
-                time.monotonic() - self._outage_since,
+                self._clock() - self._outage_since,
             )
 
     # --- metadata ---------------------------------------------------------------------
