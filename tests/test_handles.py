@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from shadefs.cache.handles import HandleLedger
-from tests.conftest import FakeCtx, make_tree
+from tests.conftest import FakeCtx, make_tree, poll
 from tests.test_fs_api import lookup_path, make_fs
 
 CTX = FakeCtx()
@@ -95,7 +94,5 @@ def test_many_open_files_through_a_mount_stay_bounded(tmp_path: Path, mounter) -
         for fd in fds:
             os.close(fd)
     # The kernel sends RELEASE after close() has returned: wait for the last ones.
-    deadline = time.monotonic() + 10
-    while (h := m.stats()["handles"])["open"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    h = poll(lambda: (h := m.stats()["handles"])["open"] == 0 and h, "handles still open", 10)
     assert (h["bytes"], h["open"]) == (0, 0)

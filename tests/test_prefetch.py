@@ -22,7 +22,7 @@ import trio.testing
 
 from shadefs.cache.policies import BeladyPolicy
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
-from tests.conftest import require_fuse, shadefs_cmd
+from tests.conftest import poll, require_fuse, shadefs_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,10 +221,7 @@ def test_a_jobs_own_order_is_prefetched_before_it_reads(slow_source, mounter) ->
     rels = sorted(str(p.relative_to(real)) for p in real.rglob("*.bin"))
     opens_before = _slow_stats(remote)["opens"]
     _write_plan(m.mnt, rels[:30])
-    deadline = time.monotonic() + 20
-    while m.stats()["prefetch"]["fetched"] < 30:
-        assert time.monotonic() < deadline, m.stats()["prefetch"]
-        time.sleep(0.05)
+    poll(lambda: m.stats()["prefetch"]["fetched"] >= 30, lambda: str(m.stats()["prefetch"]), 20)
     # The source saw the reads before the reader asked for anything.
     assert _slow_stats(remote)["opens"] - opens_before >= 30
     before = m.stats()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import drop_kernel_pages, require_fuse, shadefs_cmd
+from tests.conftest import drop_kernel_pages, poll, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
 REPO = Path(__file__).resolve().parents[1]
@@ -40,13 +40,12 @@ def read_all_and_compare(src: Path, mnt: Path) -> None:
 
 def wait_until(m, done, what: str, timeout: float = 30) -> dict:
     """The mount's stats once `done(stats)` holds (the daemon is another process)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def finished() -> dict | None:
         s = m.stats()
-        if done(s):
-            return s
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+        return s if done(s) else None
+
+    return poll(finished, what, timeout)
 
 
 def wait_for_writes(m, timeout: float = 30) -> dict:
@@ -74,10 +73,7 @@ def test_sigkill_then_remount_reuses_the_ssd_cache(tmp_path: Path, mounter) -> N
     read_all_and_compare(src, m2.mnt)
     assert m2.stats()["bytes_from_source"] <= 0.01 * total
     # The restore runs in the background (reads above did not wait for it); it ends soon.
-    deadline = time.monotonic() + 30
-    while not (s2 := m2.stats())["restore"]["done"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    s2 = wait_until(m2, lambda s: s["restore"]["done"], "the restore did not finish")
     assert s2["restore"]["entries"] == cached
 
 
@@ -259,14 +255,15 @@ def test_hanging_source_serves_hits_and_fails_misses_in_time(tmp_path: Path, mou
         assert res.returncode == 0 and time.monotonic() - t0 < 2
         assert m.stats()["source_healthy"] is False
         os.kill(slow_pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while True:  # recovery is automatic
+
+        def read_cold() -> bytes | None:
             try:
-                assert (m.mnt / cold[1]).read_bytes() == (real / cold[1]).read_bytes()
-                break
+                return (m.mnt / cold[1]).read_bytes()
             except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+                return None
+
+        got = poll(read_cold, "no recovery after SIGCONT", 10, interval=0.2)  # (automatic)
+        assert got == (real / cold[1]).read_bytes()
         assert m.stats()["source_healthy"] is True
         m.unmount()
         log = m.log.read_text()

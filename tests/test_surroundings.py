@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shadefs.cli.waiting import ANSWER_TIMEOUT
-from tests.conftest import make_tree, require_fuse, shadefs_cmd
+from tests.conftest import make_tree, poll, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
 
@@ -31,11 +32,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(shadefs_cmd(*args), capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(what: str, test: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not test():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def wait_for(what: str, test: Callable[[], object], timeout: float = 30.0) -> None:
+    poll(test, what, timeout)
 
 
 def files(n: int, size: int = 5000) -> dict[str, bytes]:
