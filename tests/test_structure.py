@@ -377,3 +377,22 @@ def test_no_async_test_sleeps() -> None:
         for line in _calls_of(fn, "time", "sleep")
     )
     assert not sleeps, "time.sleep in async tests:\n  " + "\n  ".join(sleeps)
+
+
+def test_each_concept_has_one_home() -> None:
+    """A part is a package (no top-level module named after one), a file's version is not
+    the SSD format's, and the SSD tier is a subpackage of the cache."""
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    strays = sorted(
+        m.name for m in PACKAGE.glob("*.py") if any(m.stem.startswith(f"{p}_") for p in parts)
+    )
+    assert not strays, f"top-level modules named after a part: {strays}"
+    defines = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "Signature"
+    }
+    assert defines == {"file_version.py"}
+    assert (PACKAGE / "cache" / "ssd" / "__init__.py").exists()
+    assert not list((PACKAGE / "cache").glob("ssd_*.py"))
