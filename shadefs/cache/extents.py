@@ -333,7 +333,7 @@ def advise(fd: int, random: bool) -> None:
     """Tell the kernel how a source descriptor is read. The reads that reach the daemon
     were already sized by the mount's own read-ahead; a random reader's would otherwise
     set off the source filesystem's read-ahead as well, which fetches pages nobody reads
-    (measured over the emulator: lmdb through the mount pulled twice what it pulled direct).
+    (an LMDB reader through the mount would pull about twice what it pulls direct).
     Inline: fadvise only sets a flag on the open file, it does no I/O."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_NORMAL)

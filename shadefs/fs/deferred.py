@@ -1,9 +1,9 @@
 """Opens of missed files answered before their fetch: the first read that arrives fetches.
 
 Files evicted from RAM are often still in the kernel's page cache of the mount, and an open
-answered with keep_cache lets the kernel serve every read of them from its own pages. A
-miss that fetched the whole file at open threw that fetch away (issue 23: pass 2 pulled
-14 MiB while the daemon served 0). `Operations.open` therefore asks the cache for a
+answered with keep_cache lets the kernel serve every read of them from its own pages: a
+fetch of the whole file at open would go unread, source bytes for nothing. `Operations.open`
+therefore asks the cache for a
 deferred miss (`Cache.open_entry(..., lazy=True)`, cache/lazy.py) when the kernel may hold
 pages of the inode, and the handle's first read that reaches the daemon fetches.
 

@@ -39,7 +39,7 @@ class EpochPolicy(Policy):
     within a rank; shrinking takes the lowest ranks first. A read moves one entry between
     buckets (O(1)); when the tracker recounts (a job's new epoch, a job joining or
     leaving: its `generation` moves) the policy re-ranks its entries in numpy, once, with
-    no Python object per entry (buckets.py: ~10 ms at 256k entries).
+    no Python object per entry (buckets.py).
 
     With `pending` (the reads the known orders still make, readers/pending.py), an entry
     with reads to come is never evicted for a miss without, and such a miss may replace
