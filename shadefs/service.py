@@ -169,7 +169,6 @@ class Service:
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
-        self.readers.start(nursery)
         self.cache.start(nursery)
         nursery.start_soon(self.speculator.run)
         nursery.start_soon(self.loop_lag.run)

@@ -42,7 +42,7 @@ from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import Job
-from shadefs.readers.part import Readers
+from shadefs.readers.part import SETTLE, Readers
 from shadefs.source.part import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
@@ -123,11 +123,25 @@ class Cache(Hits):
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
+        """Start the background tasks of the tiers, the prefetcher and the readers' tick."""
+        nursery.start_soon(self._ticking)
         if self.ssd is not None:
             self.ssd.start(nursery)
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
+
+    async def _ticking(self) -> None:
+        """`tick_readers` every SETTLE seconds, until cancelled."""
+        while True:
+            await trio.sleep(SETTLE)
+            self.tick_readers()
+
+    def tick_readers(self) -> None:
+        """Tell the readers part the hits logged since the last time, then tick it (its
+        universes settle, idle jobs end): the cache logs the hit path's reads, so it is
+        the one to tick the part that counts them."""
+        self.take_hits()
+        self.readers.tick()
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""

@@ -55,7 +55,6 @@ class Hits:
     def _init_hits(self) -> None:
         self._jobs_of_pids = self.readers.jobs.pids  # (the hit path's: reader pid -> job)
         self._hits: list[tuple[int, int, Job, int]] = []  # `hit`'s log: (key, size, job, id)
-        self.readers.before_tick = self.take_hits
 
     def hit(self, key: int, data: bytes, pid: int, i: int = -1) -> None:
         """A RAM hit of `key` (tracker id `i`, -1: unknown) by reader `pid`, whose resident
