@@ -99,8 +99,8 @@ def test_reopens_bring_their_bytes_again_once_the_kernel_drops_pages(
 ) -> None:
     """A reopen (a hit) answers with the kernel's pages trusted; once two reopens close
     together had to be read (the kernel dropped pages in bulk: a page-cache drop between
-    epochs), the reopens after them push their bytes with the open (operations.py
-    `_REPUSH`). One file's pages dropped on their own push nothing."""
+    epochs), the reopens after them push their bytes with the open (kernel/pages.py
+    `BulkDrops`). One file's pages dropped on their own push nothing."""
     files = {f"f{i}.bin": os.urandom(5000) for i in range(7)}
     big = os.urandom(PUSH_MAX + 5000)
     src = make_tree(tmp_path / "src", {**files, "big.bin": big})

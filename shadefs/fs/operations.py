@@ -44,7 +44,7 @@ from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.kernel.no_open import KERNEL_PID
 from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
-from shadefs.kernel.pages import KernelPages
+from shadefs.kernel.pages import BulkDrops, KernelPages
 from shadefs.source.part import OPENER, Source
 from shadefs.stats import Metrics
 
@@ -54,12 +54,6 @@ log = logging.getLogger(__name__)
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-# Reopens push their bytes to the kernel too (`push_pages`) for this many handles after a
-# handle of resident bytes had to be read within this many handles of the previous such
-# read: two reads close together say the kernel dropped pages in bulk (memory pressure, a
-# page-cache drop between epochs) and would send READs for the reopens. A read on its own
-# (one file's pages aged out, as a page-out daemon does now and then) pushes nothing.
-_REPUSH = 64
 # Under kernel hits: files whose handle is kept between their READs (`_read_node`), at most.
 _PARTIAL = 64
 # Under kernel hits, a READ that failed with EIO fails again at once for this long: the
@@ -121,8 +115,7 @@ class Operations(ReadOnly):
         self._settle = cache.take_hits  # before every handler but a hit's (fs/guard.py)
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
-        self._read_fh = -(1 << 62)  # the last handle of resident bytes that was read
-        self._push_fh = -(1 << 62)  # the last such read within _REPUSH of the one before
+        self._drops = BulkDrops()  # whether reopens push their bytes (kernel/pages.py)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -250,7 +243,7 @@ class Operations(ReadOnly):
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
         self._mem[fh] = data  # unpinned at release; a memoryview from its first read
-        if fh - self._push_fh <= _REPUSH and push_pages(inode, fh, data, self._inode_of):
+        if self._drops.push(fh) and push_pages(inode, fh, data, self._inode_of):
             self.metrics.bytes_served += len(data)
         # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
         # handler returns, before any other request runs (no allocation per open).
@@ -335,7 +328,7 @@ class Operations(ReadOnly):
         if resident is not None and resident.data is entry.data and changes == self.ns.changes:
             self._verify(inode, resident, sig, path, checked)
         # (Not while answering a no-open read: the kernel holds the pages it reads locked.)
-        push = not self.kernel_hits and (not seen or fh - self._push_fh <= _REPUSH)
+        push = not self.kernel_hits and (not seen or self._drops.push(fh))
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
         # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
@@ -491,9 +484,7 @@ class Operations(ReadOnly):
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
                 mv = self._mem[fh] = memoryview(mv)
                 if len(mv) <= PUSH_MAX:  # (a larger file is read whatever the kernel keeps)
-                    if fh - self._read_fh <= _REPUSH:
-                        self._push_fh = fh
-                    self._read_fh = fh
+                    self._drops.read(fh)
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:
