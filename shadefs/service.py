@@ -101,8 +101,9 @@ class Service:
         if opts.prefetch:
             window = opts.prefetch_window_bytes
             prefetch = PrefetchSettings(window, opts.prefetch_workers, opts.prefetch_abandon)
+        self.kernel_hits = no_open.resolve(opts.kernel_hits)
         # Which files the kernel may hold pages of: one map, read by the opens, deferred
-        # opens and speculation.
+        # opens, the prefetcher and speculation.
         self.kernel_pages = KernelPages()
         self.cache = Cache(
             self.source,
@@ -120,6 +121,7 @@ class Service:
             block_size=block_size,
             kernel_pages=self.kernel_pages,
             clock=clock,
+            no_open=self.kernel_hits,
         )
         self.speculator = Speculator(
             self.cache, self.kernel_pages, enabled=opts.speculate, clock=clock
@@ -137,7 +139,6 @@ class Service:
             clock=clock,
         )
         self.loop_lag = LoopLag()
-        self.kernel_hits = no_open.resolve(opts.kernel_hits)
         self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
         parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
         self.operations = Operations(

@@ -245,6 +245,7 @@ class PrefetchStats:
     kept: int = 0  # files the RAM tier let go that other jobs still read, staged for them
     late: int = 0  # of `served`: opens that took a prefetch's bytes while it was in flight
     unused: int = 0  # fetched files that landed when no plan read them any more
+    kernel_held: int = 0  # planned files not fetched: the kernel's own pages serve them
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)

@@ -21,6 +21,8 @@ import trio
 import trio.testing
 
 from shadefs.cache.policies import BeladyPolicy
+from shadefs.kernel.pages import KernelPages
+from shadefs.prefetch.fetching import SSD
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
 from tests.conftest import poll, require_fuse, shadefs_cmd
 
@@ -145,6 +147,41 @@ def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
     big = _prefetcher(50)
     big.add_plan(_plan("b", [1, 2], size=100))
     assert big._next_item() is None and big.skipped == 2
+
+
+def test_files_the_kernel_serves_are_left_to_it() -> None:
+    """A planned file whose reads the kernel's own pages will serve is not staged: fetched,
+    it would never be read (under kernel hits the daemon does not even see its open)."""
+    kernel = KernelPages()
+    for key in (2, 3):
+        kernel.opened(key)  # opened since the kernel last forgot them: it may hold them
+    pf = _prefetcher(10_000, kernel=kernel, no_open=True)
+    pf.add_plan(_plan("a", [1, 2, 3, 4]))
+
+    def picks() -> list[int]:
+        got = []
+        while (pick := pf._next_item()) is not None:
+            got.append(pick[2])
+            pf._inflight[pick[2]] = 100
+            pf._inflight_bytes += 100
+        return got
+
+    assert picks() == [1, 4] and pf.kernel_held == 2
+    for _ in range(32):  # its files are read again: the kernel's pages went
+        kernel.served(False)
+    pf._trust()  # (each round's first step): the plan goes back to its reader
+    assert picks() == [2, 3]
+
+
+@pytest.mark.parametrize("no_open", [False, True])
+def test_an_ssd_entry_is_left_to_the_kernel_only_without_opens(no_open: bool) -> None:
+    """With opens, an SSD entry is staged whatever the kernel holds: its open reads the
+    entry anyway, and staging it spares the reader that read."""
+    kernel = KernelPages()
+    kernel.opened(7)
+    pf = Prefetcher(_never_fetched, lambda key: SSD, window=10_000, kernel=kernel, no_open=no_open)
+    pf.add_plan(_plan("a", [7]))
+    assert (pf._next_item() is None) == no_open
 
 
 def test_concurrency_follows_littles_law() -> None:

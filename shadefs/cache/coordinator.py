@@ -73,6 +73,7 @@ class Cache(Hits):
         block_size: int = 0,
         kernel_pages: KernelPages | None = None,
         clock: Callable[[], float] = time.monotonic,
+        no_open: bool = False,
     ) -> None:
         """`policy`: every tier's (ValueError if unknown); `score_of`: importance for
         `shade`; `owns`: a multi-node job's ownership; `ssd`: an SSD tier's store (restored
@@ -80,8 +81,10 @@ class Cache(Hits):
         outside the RAM budget (None: the budget); `readers` (fresh if None): who reads
         what; `block_size`: that of large files' blocks (cache/blocks.py); `kernel_pages`:
         which files the kernel may hold pages of (the service's, fresh if None); `clock`:
-        seconds, for the time opens wait on the source."""
+        seconds, for the time opens wait on the source; `no_open`: the mount serves with
+        kernel hits (kernel/no_open.py)."""
         self._clock = clock
+        self.no_open = no_open
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -107,8 +110,11 @@ class Cache(Hits):
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
         settings, reads_left = prefetch, self.pending.group_reads_left
+        kernel = self.handles.kernel
         self.prefetcher = (
-            Prefetcher.with_settings(settings, self.fetch_ahead, self.tier_of, reads_left, clock)
+            Prefetcher.with_settings(
+                settings, self.fetch_ahead, self.tier_of, reads_left, clock, kernel, no_open
+            )
             if settings
             else None
         )

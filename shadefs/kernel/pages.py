@@ -62,6 +62,10 @@ class KernelPages:
         for ino in inos:
             opened[ino & _MASK] = 0
 
+    def holds(self, ino: int) -> bool:
+        """Whether the kernel may hold pages of `ino` (`may_hold` of one)."""
+        return self._opened[ino & _MASK] != 0
+
     def may_hold(self, keys: np.ndarray) -> np.ndarray:
         """Per key (uint64 inode numbers): whether the kernel may hold pages of it."""
         return np.asarray(self._view[keys & np.uint64(_MASK)] != 0)
