@@ -232,8 +232,8 @@ class SsdTier:
         return len(self._pending)
 
     async def writer(self) -> None:
-        """The write-behind: what is queued, taken in batches (one runs at the daemon's
-        nursery; its thread ends with it)."""
+        """The write-behind: what is queued, taken in batches (one such task runs in the
+        daemon's nursery; the writer thread ends with it)."""
         try:
             while True:
                 batch = await self._pending.next_batch()
