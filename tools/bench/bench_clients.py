@@ -38,7 +38,10 @@ its files without keep_cache anyway), so that direct reads reach the "remote". T
 own pages are left alone: opening every file to drop them would be an open of each through
 shadefs, and shadefs keeps the kernel's pages only of files it holds. Printed per
 epoch: seconds, the ratio to direct's same epoch, MiB from the source (shadefs's
-bytes_from_source; direct over the emulator: its bytes read), and MiB the client asked for.
+bytes_from_source; direct over the emulator: its bytes read), and MiB the client asked for;
+under a shadefs row, the daemon's CPU during the epoch (all its threads, from /proc) per
+client read (a file, for tar and sha256sum); the SSD write-behind's work left when the
+epoch ends is not in it.
 Wall times are noisy on a shared machine; byte counts are exact.
 """
 
@@ -60,6 +63,7 @@ from benchlib import (
     drop_page_cache,
     make_dataset,
     mounted,
+    process_cpu,
     slowfs_mounted,
     slowfs_stats,
     stats,
@@ -312,6 +316,7 @@ class Epoch(NamedTuple):
     reads: int  # client reads (gets, rows, chunks, preads)
     served: int  # bytes the daemon served (-1: direct)
     daemon: dict[str, int]  # the daemon's counts (DAEMON; {} direct)
+    cpu: float  # the daemon's CPU seconds during the epoch (-1: direct)
 
 
 Counter = Callable[[], dict[str, int]]
@@ -323,13 +328,16 @@ def _epochs(
     out = []
     shade = _is_shadefs(root)
     served = (lambda: int(stats(root)["bytes_served"])) if shade else (lambda: 0)
+    pid = int(stats(root)["pid"]) if shade else None
+    cpu = (lambda: process_cpu(pid) or 0.0) if pid is not None else (lambda: 0.0)
     for e in range(epochs):
         for d in drop:
             drop_page_cache(d)
-        before, s0 = counter(), served()
+        before, s0, c0 = counter(), served(), cpu()
         t0 = time.perf_counter()
         asked, reads = RUNNERS[client](root, e)
         secs = time.perf_counter() - t0
+        spent = cpu() - c0 if shade else -1.0
         after = counter()
         diff = {k: after[k] - before.get(k, 0) for k in after}
         calls = {k: diff[k] for k in CALLS if k in diff}
@@ -337,7 +345,8 @@ def _epochs(
         # the kernel's pages of the emulator's mount); the daemon's, over a local source.
         src_bytes = diff.get("bytes", diff.get("shadefs_bytes", 0))
         own = {k: diff[k] for k in DAEMON if k in diff}
-        out.append(Epoch(secs, src_bytes, calls, asked, reads, served() - s0 if shade else -1, own))
+        got = served() - s0 if shade else -1
+        out.append(Epoch(secs, src_bytes, calls, asked, reads, got, own, spent))
     return out
 
 
@@ -426,7 +435,12 @@ def _print(
             flush=True,
         )
         if ep.daemon:
-            print("    daemon: " + ", ".join(f"{k} {v}" for k, v in ep.daemon.items()))
+            per = ep.cpu / max(ep.reads, 1) * 1e6
+            print(
+                "    daemon: "
+                + ", ".join(f"{k} {v}" for k, v in ep.daemon.items())
+                + f"; CPU {ep.cpu:.2f} s ({per:.0f} µs per client read)"
+            )
 
 
 class _source:

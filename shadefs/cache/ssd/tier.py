@@ -3,10 +3,12 @@
 `ssd_store.SsdStore` does the file I/O and guarantees that no wrong byte is ever served. This
 module adds the tier's index and policy, and the background work:
 
-- **Write-behind.** A file fetched from the source is queued for the SSD. Writer tasks
-  admit it through the tier's policy, remove victims and write the entry in worker threads.
-  The reader never waits for the SSD. A full queue drops the write (counted) rather than
-  blocking or buffering without bound.
+- **Write-behind.** A file fetched from the source is queued for the SSD. One writer task
+  takes the queue in batches, admits each entry through the tier's policy, removes victims,
+  and writes the batch in the tier's own low-priority thread (`writer.py`), so that the
+  write-behind takes the CPU the readers leave rather than the readers' time. The reader
+  never waits for the SSD. A full queue (in entries or in bytes) drops the write (counted)
+  rather than blocking or buffering without bound.
 - **Restore.** After a restart the store's scan runs in a thread in the background and feeds
   the index in chunks, so the mount is ready at once. Lookups go by path straight to the store
   and do not need the index, so entries the scan has not reached yet are still hits.
@@ -30,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -38,6 +40,7 @@ from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
 from shadefs.cache.ssd.format import Verdict, disk_size, entry_size
 from shadefs.cache.ssd.store import SsdStore
+from shadefs.cache.ssd.writer import QUEUE_BYTES, Pending, WriteQueue
 from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import FetchAhead, Got, Item
 from shadefs.stats import RestoreStats, SsdStats
@@ -45,14 +48,6 @@ from shadefs.stats import RestoreStats, SsdStats
 log = logging.getLogger(__name__)
 
 _RESTORE_CHUNK = 2048
-
-
-@dataclass(slots=True)
-class _Pending:
-    key: int
-    relpath: bytes
-    data: bytes
-    sig: Signature
 
 
 class SsdTier:
@@ -70,7 +65,8 @@ class SsdTier:
         key_of_ino: Callable[[int], int],
         *,
         max_entry: int | None = None,
-        queue: int = 256,
+        queue: int = 4096,
+        queue_bytes: int = QUEUE_BYTES,
         block_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,12 +83,15 @@ class SsdTier:
         self.joined = 0  # lookups served from a write still queued or in flight
         self.evictions = 0
         self.restore_done = False
+        # The restore walked the whole directory: from then on the index knows every entry
+        # (the writer indexes what it puts), so a key it lacks is a miss without asking the
+        # disk. Until then a lookup asks the store by path (invariant 8).
+        self.indexed = False
         self.restore_entries = 0
         self.restore_seconds = 0.0
-        self._send, self._recv = trio.open_memory_channel[_Pending](queue)
         # Queued or being written: a reopen before the write lands reads these bytes
         # rather than fetch the file again (Parquet reads the footer, closes, reopens).
-        self._pending: dict[int, _Pending] = {}
+        self._pending = WriteQueue(queue, queue_bytes)
         # Disk bytes of entries being written: room taken before the store counts them, so
         # concurrent writers cannot together overshoot the budget.
         self._reserved = 0
@@ -135,7 +134,9 @@ class SsdTier:
             self.joined += 1
             self.policy.accessed(key, key in self.index, job)
             return item.data
-        if self.lost:
+        if self.lost or (self.indexed and key not in self.index):
+            # A first read's miss costs no disk lookup (the entry's directory entries are
+            # rarely cached then, so it would also cost a thread hop).
             data = None
         else:
             try:
@@ -223,50 +224,71 @@ class SsdTier:
         """Queue a freshly fetched file for the SSD (never blocks)."""
         if len(data) > self.max_entry or key in self.index or key in self._pending or self.lost:
             return
-        item = _Pending(key, relpath, data, sig)
-        try:
-            self._send.send_nowait(item)
-        except trio.WouldBlock:
+        if not self._pending.put(Pending(key, relpath, data, sig)):
             self.dropped_writes += 1
-            return
-        self._pending[key] = item
 
     @property
     def queued(self) -> int:
         return len(self._pending)
 
     async def writer(self) -> None:
-        """One write-behind worker; run several in the daemon's nursery."""
-        async for item in self._recv:
-            try:
-                await self._write(item)
-            finally:
-                if self._pending.get(item.key) is item:
-                    del self._pending[item.key]
+        """The write-behind: what is queued, taken in batches (one such task runs in the
+        daemon's nursery; the writer thread ends with it)."""
+        try:
+            while True:
+                batch = await self._pending.next_batch()
+                try:
+                    await self._write(batch)
+                finally:
+                    self._pending.done(batch)
+        finally:
+            self._pending.thread.close()
 
-    async def _write(self, item: _Pending) -> None:
+    async def _write(self, batch: list[Pending]) -> None:
+        """Make room for each entry of `batch` (or refuse it), then write those with room in
+        one job of the writer thread."""
+        room: list[tuple[Pending, int]] = []
+        try:
+            for item in batch:
+                disk = await self._room(item)
+                if disk is not None:
+                    # Reserved until the batch has landed: the next entry's room counts it.
+                    self._reserved += disk
+                    room.append((item, disk))
+            if not room:
+                return
+            items = [item for item, _ in room]
+            oks = await self._pending.thread.run_sync(partial(self._put_all, items))
+        finally:
+            for _, disk in room:
+                self._reserved -= disk
+        for item, ok in zip(items, oks, strict=True):
+            if not ok:
+                self.write_failures += 1
+                continue
+            self.writes += 1
+            if item.key not in self.index:
+                self._index(item.key, item.relpath, len(item.data))
+        if self.store.over_high_watermark():
+            self._wake_evictor.set()
+
+    async def _room(self, item: Pending) -> int | None:
+        """The entry's disk bytes once the policy admitted it and its victims are gone, or
+        None (refused, or someone else took the room meanwhile)."""
         disk = self.disk_size(item.relpath, len(item.data))
         free = self.capacity - self.store.disk_bytes - self._reserved
         victims = self.policy.admit(item.key, disk, free)
         if victims is None:
-            return
+            return None
         for victim in victims:
             await self._evict(victim)
         if self.store.disk_bytes + self._reserved + disk > self.capacity:
-            return  # someone else took the room meanwhile
-        self._reserved += disk
-        try:
-            ok = await trio.to_thread.run_sync(self.store.put, item.relpath, item.data, item.sig)
-        finally:
-            self._reserved -= disk
-        if not ok:
-            self.write_failures += 1
-            return
-        self.writes += 1
-        if item.key not in self.index:
-            self._index(item.key, item.relpath, len(item.data))
-        if self.store.over_high_watermark():
-            self._wake_evictor.set()
+            return None
+        return disk
+
+    def _put_all(self, items: list[Pending]) -> list[bool]:
+        """The writer thread's job: each entry put, in order (a failure is the store's to log)."""
+        return [self.store.put(item.relpath, item.data, item.sig) for item in items]
 
     async def _evict(self, key: int, stale: bool = False) -> None:
         entry = self.index.get(key)
@@ -288,12 +310,11 @@ class SsdTier:
 
     # --- restore and watermarks ---------------------------------------------------------
 
-    def start(self, nursery: trio.Nursery, writers: int = 4) -> None:
-        """Start the restore, the evictor and the write-behind workers in `nursery`."""
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the restore, the evictor and the write-behind in `nursery`."""
         nursery.start_soon(self.restore)
         nursery.start_soon(self.evictor)
-        for _ in range(writers):
-            nursery.start_soon(self.writer)
+        nursery.start_soon(self.writer)
 
     async def restore(self) -> None:
         """Rebuild the index from the store's scan, in the background."""
@@ -323,7 +344,7 @@ class SsdTier:
                     self.restore_entries += 1
             if len(chunk) < _RESTORE_CHUNK:
                 break
-        self.restore_done = True
+        self.restore_done = self.indexed = True
         self.restore_seconds = self._clock() - t0
         log.info(
             "restored %d SSD entries (%.0f MB) in %.1f s",
