@@ -334,9 +334,20 @@ def test_a_second_epoch_takes_its_ssd_entries_staged_from_the_ssd(tmp_path: Path
     order = rng.sample(rels, len(rels))
     drop_kernel_pages()  # (with kernel hits, the kernel would serve epoch 2 from its pages)
     # The first read begins epoch 2; speculation stages the unread files (in its next tick).
-    assert (m.mnt / order[0]).read_bytes() == (src / order[0]).read_bytes()
-    wait_until(m, lambda s: s["prefetch"]["staged"] > 0, "no SSD entry was staged")
-    for rel in order[1:]:
+    # Under kernel hits the prefetcher leaves them to the kernel's pages, which it was
+    # thought to hold, until a few reads have shown them gone (kernel/pages.py, trusted).
+    done = 0
+
+    def staged_after_a_read() -> bool:
+        nonlocal done
+        if not m.stats()["prefetch"]["staged"] and done < len(order):
+            assert (m.mnt / order[done]).read_bytes() == (src / order[done]).read_bytes()
+            done += 1
+        return bool(m.stats()["prefetch"]["staged"])
+
+    poll(staged_after_a_read, "no SSD entry was staged")
+    assert done <= len(order) // 3  # staged well ahead of the epoch's end
+    for rel in order[done:]:
         assert (m.mnt / rel).read_bytes() == (src / rel).read_bytes()
     after = m.stats()
     assert after["hits"] - before["hits"] == len(rels)
