@@ -16,7 +16,13 @@ the time to the first good miss, 20 misses after it, and the daemon's thread cou
 its count before the outage.
 
 It prints each figure with what the issue asks of it (issue 36's "must show"); it asserts
-nothing. Figures are wall time on whatever machine runs it: say whether it was shared.
+nothing. Figures are wall time on whatever machine runs it: say whether it was shared. To
+tell where the slowest hit waited, it also prints when that hit began against the waves'
+start, the requests the kernel held for the daemon then (/sys/fs/fuse/connections/N/waiting:
+also those in a source call), the daemon's CPU time during the hit and the machine's busy
+share (from /proc), the daemon's worst event-loop stall (stats.json `loop_lag_max_ms`), the
+daemon's CPU per miss in each wave, and how often someone dropped the kernel's dentries
+during the outage (a hit's lookup then asks the source).
 """
 
 from __future__ import annotations
