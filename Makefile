@@ -41,20 +41,14 @@ pyfuse3: | $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/shadefs demo
 
-# The mount tests that run a second time with every mount in kernel-hits mode (FUSE
-# no-open): identity and consistency, the randomised race, never reading outside SRC, the
-# control directory and the sampler's channel. (tests/test_kernel_hits_mount.py runs the
-# mode in the first pass too.)
-KERNEL_HITS_TESTS := tests/test_mount.py tests/test_identity_mount.py \
-	tests/test_identity_race_mount.py tests/test_security.py tests/test_sampler_mount.py \
-	tests/test_ssd_mount.py::test_hanging_source_serves_hits_and_fails_misses_in_time
-
+# Every mount test runs a second time with every mount in kernel-hits mode (FUSE no-open),
+# unless the test chose a mode itself (tests/conftest.py, `start_mount`).
 test: setup
 	$(VENV)/bin/ruff check shadefs tests tools examples
 	$(VENV)/bin/ruff format --check shadefs tests tools examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
-	SHADEFS_TEST_KERNEL_HITS=on $(PY) -m pytest -q -p no:cacheprovider -m mount $(KERNEL_HITS_TESTS)
+	SHADEFS_TEST_KERNEL_HITS=on $(PY) -m pytest -q -p no:cacheprovider -m mount
 
 # The benchmarks, listed in tools/README.md. `make bench` runs the quick ones; `make bench
 # LONG=1` adds those that take many minutes: bench_ssd_hits and bench_restore (both need

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import re
 
+#: The control directory's name at the top of every mount (the daemon's and its clients').
+CONTROL_NAME = ".shadefs"
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2

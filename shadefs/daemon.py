@@ -27,8 +27,8 @@ import numpy.ma  # noqa: F401
 import pyfuse3
 import trio
 
-from shadefs import kernel
 from shadefs.common import EXIT_MOUNT_FAILED, QuietError
+from shadefs.kernel import tuning
 from shadefs.options import MountOptions
 from shadefs.service import Service
 from shadefs.stats import Stats
@@ -104,7 +104,7 @@ def run_daemon(opts: MountOptions, ready_fd: int | None = None) -> int:
 
 def raise_nofile() -> None:
     """Raise the soft descriptor limit to the hard one: readers' pass-through opens each
-    hold a source descriptor, and 1,024 is soon reached (source.py caps them per user)."""
+    hold a source descriptor, and 1,024 is soon reached (source/part.py caps them per user)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
@@ -207,7 +207,7 @@ class Daemon:
         # The stat goes through the kernel to our own request loop: when it returns, the
         # mount answers. It must run in a thread, or it would wait for the loop it blocks.
         st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
-        await trio.to_thread.run_sync(kernel.tune, st.st_dev)
+        await trio.to_thread.run_sync(tuning.tune, st.st_dev)
         self.ready = True
         # What start-up built (modules, options, the parts) lives as long as the daemon:
         # out of every later collection's scan.

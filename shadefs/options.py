@@ -306,6 +306,14 @@ class MountOptions:
     job_idle: float = JOB_IDLE.default
     extra_fuse: list[str] = field(default_factory=list)
 
+    @property
+    def prefetch_window_bytes(self) -> int:
+        """`--prefetch-window`, or its default: a quarter of the RAM budget, within 64M-1G
+        (the `shown` default of PREFETCH_WINDOW)."""
+        if self.prefetch_window:
+            return self.prefetch_window
+        return min(max(self.ram // 4, 64 << 20), 1 << 30)
+
 
 def argtype(parse: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse `type=` from a parser that raises ValueError: argparse shows the reason."""

@@ -8,8 +8,10 @@ construction and nothing wired afterwards:
 
 `start(nursery)` starts every part's background tasks in the nursery the daemon hands it;
 `close()` releases what outlives the request loop (the SSD directory lock). The methods
-after the parts are the business logic behind the control directory: control parses and
-validates a request, then calls them (control/service.py is the contract).
+after the parts are what the control directory asks for (control/service.py is the
+contract): control parses and validates a request, and each method hands it to the part
+that owns it (order plans: prefetch/orders.py; a partition change: the cache's
+`reclassify`; listings for the readers: the namespace; the SSD budget: cache/ssd/budget.py).
 """
 
 from __future__ import annotations
@@ -19,38 +21,40 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import pyfuse3
 import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.policies import POLICIES, Owned
-from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
-from shadefs.cache.ssd_store import CacheLocked, SsdStore
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.policies import POLICIES
+from shadefs.cache.ssd.budget import ssd_defaults
+from shadefs.cache.ssd.owner import CacheUntrusted
+from shadefs.cache.ssd.store import CacheLocked, SsdStore
+from shadefs.cache.ssd.tier import SsdTier
 from shadefs.common import EXIT_CACHE_LOCKED, EXIT_USAGE, QuietError
 from shadefs.control.files import Control
 from shadefs.control.service import RESIDENCY_STATES, DatasetInfo, Rejected
-from shadefs.fs import kernel_hits
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.operations import Operations
+from shadefs.kernel import no_open
+from shadefs.kernel.pages import KernelPages
 from shadefs.ops.looplag import LoopLag
 from shadefs.options import MountOptions
 from shadefs.prefetch.fetching import PrefetchSettings
+from shadefs.prefetch.orders import OrderPlans
+from shadefs.prefetch.plans import ctl_name
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
 from shadefs.prefetch.speculate import Speculator
 from shadefs.readers.jobs import JobTable
 from shadefs.readers.part import Readers
-from shadefs.readers.tracker import Listing
 from shadefs.sampling.builds import resident_among
-from shadefs.sampling.registry import PathTable, Sampling, SamplingError
+from shadefs.sampling.registry import Sampling, SamplingError
 from shadefs.sampling.wire import OrderRequest, WireError
 from shadefs.sampling.wire_nodes import NodeOrder
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import VERSION as STATS_VERSION
 from shadefs.stats import JobStats, Metrics, Stats
 
@@ -71,28 +75,36 @@ class Service:
     :operations: the pyfuse3 request handlers that the daemon mounts
     """
 
-    def __init__(self, opts: MountOptions) -> None:
-        """Build the parts for `opts`; QuietError when the SSD cache cannot be used."""
+    def __init__(self, opts: MountOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        """Build the parts for `opts`; QuietError when the SSD cache cannot be used. `clock`:
+        seconds, the one clock of every part that keeps time (tests hand one they move)."""
         self.mountpoint = os.path.abspath(opts.mountpoint)
         self.source = Source(
             opts.source,
             max_threads=opts.source_threads,
             timeout=opts.source_timeout,
             inline=opts.inline_reads,
+            clock=clock,
         )
-        self.namespace = Namespace(self.source, timeout=opts.revalidate, revalidate=opts.revalidate)
+        self.namespace = Namespace(
+            self.source, timeout=opts.revalidate, revalidate=opts.revalidate, clock=clock
+        )
         self.metrics = Metrics()
         self.sampling = Sampling()
-        self._nursery: trio.Nursery | None = None
-        self._listing_asked: set[int] = set()  # directories being listed for speculation
-        self.readers = Readers(JobTable(opts.job_idle), self.sampling.pending, self._listing_of)
-        self._plan_epochs: dict[str, int] = {}  # a sweep group's plan name -> its epoch
+        listing_of = self.namespace.listing_of_file
+        self.readers = Readers(
+            JobTable(opts.job_idle, clock=clock), self.sampling.pending, listing_of
+        )
         ssd = self._ssd_store(opts) if opts.ssd else None
         prefetch = None
         block_size = max(opts.block_size, 4096)
         if opts.prefetch:
-            window = opts.prefetch_window or min(max(opts.ram // 4, 64 << 20), 1 << 30)
+            window = opts.prefetch_window_bytes
             prefetch = PrefetchSettings(window, opts.prefetch_workers, opts.prefetch_abandon)
+        self.kernel_hits = no_open.resolve(opts.kernel_hits)
+        # Which files the kernel may hold pages of: one map, read by the opens, deferred
+        # opens, the prefetcher and speculation.
+        self.kernel_pages = KernelPages()
         self.cache = Cache(
             self.source,
             self.metrics,
@@ -107,8 +119,15 @@ class Service:
             readers=self.readers,
             owns=self.sampling.owns_key,
             block_size=block_size,
+            kernel_pages=self.kernel_pages,
+            clock=clock,
+            no_open=self.kernel_hits,
         )
-        self.speculator = Speculator(self.cache, enabled=opts.speculate)
+        self.speculator = Speculator(
+            self.cache, self.kernel_pages, enabled=opts.speculate, clock=clock
+        )
+        pf = self.cache.prefetcher
+        self._orders = OrderPlans(pf) if pf is not None else None  # the sampler's orders
         # Read-ahead inside large files shares the prefetch window's size.
         window = prefetch.window if prefetch is not None else 0
         self.blocks = Blocks(
@@ -117,12 +136,14 @@ class Service:
             block_size=block_size,
             window=window,
             passthrough_above=opts.passthrough_above,
+            clock=clock,
         )
         self.loop_lag = LoopLag()
-        self.kernel_hits = kernel_hits.resolve(opts.kernel_hits)
         self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
         parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
-        self.operations = Operations(*parts, kernel_hits=self.kernel_hits)
+        self.operations = Operations(
+            *parts, kernel_pages=self.kernel_pages, kernel_hits=self.kernel_hits
+        )
 
     @staticmethod
     def _ssd_store(opts: MountOptions) -> SsdStore:
@@ -137,30 +158,6 @@ class Service:
         except OSError as exc:
             raise QuietError(f"cache directory {opts.ssd}: {exc.strerror}", EXIT_USAGE) from None
 
-    def _listing_of(self, key: int) -> Listing | None:
-        """The listing of the directory holding file `key`, if it was listed whole. A job
-        that opens files by path never lists their directory: list it in the background,
-        once, so that the next call finds it (the readers' universes, readers/tracker.py)."""
-        ns = self.namespace
-        try:
-            snap, _ = ns.locate(key)
-        except pyfuse3.FUSEError:
-            return None
-        if ns.listings.get(snap.dirino) == snap.slot:
-            return snap
-        if self._nursery is not None and snap.dirino not in self._listing_asked:
-            self._listing_asked.add(snap.dirino)
-            self._nursery.start_soon(self._list_quietly, snap.dirino)
-        return None
-
-    async def _list_quietly(self, ino: int) -> None:
-        try:
-            await self.namespace.listing(ino, quiet=True)
-        except pyfuse3.FUSEError as exc:
-            log.debug("listing directory %d for speculation failed: errno %d", ino, exc.errno)
-        finally:
-            self._listing_asked.discard(ino)
-
     @property
     def ssd(self) -> SsdTier | None:
         """The cache's SSD tier (None without --ssd)."""
@@ -173,12 +170,12 @@ class Service:
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the parts' background tasks (SSD restore and writers, prefetching)."""
-        self._nursery = nursery
-        self.readers.start(nursery)
         self.cache.start(nursery)
         nursery.start_soon(self.speculator.run)
         nursery.start_soon(self.loop_lag.run)
         nursery.start_soon(self.namespace.relist)
+        if self.control.sessions:
+            nursery.start_soon(self.control.run)
         if self.prefetcher is not None:
             self.blocks.start(nursery)
 
@@ -286,7 +283,7 @@ class Service:
         prefetcher = self.prefetcher
         if prefetcher is None:
             raise Rejected("prefetching is off (mounted with --no-prefetch)")
-        name = name or f"ctl:{len(prefetcher.plans)}"
+        name = name or ctl_name(len(prefetcher.plans))
         prefetcher.add_plan(Plan(name, keys, rels, sizes))
         return name
 
@@ -351,25 +348,19 @@ class Service:
                 request, self.cache.cached_keys, group, self._job_row(pid), members
             )
         self.cache.begin_epoch(request.epoch, self._job_row(pid))
-        if self.sampling.reads_here(request) and self.prefetcher is not None:
-            # This rank reads through this node, what it reads next is known: prefetch its
-            # misses. The members of a sweep group share one plan, the furthest ahead's: a
-            # member that asks for an earlier epoch's order leaves it in place.
+        if self.sampling.reads_here(request) and self._orders is not None:
+            # This rank reads through this node: what it reads next is known.
             s = self.sampling
-            seed = f"group={group}" if group else f"seed={request.seed}"
-            name = f"order:{seed}:world={request.world_size}:rank={request.rank}"
-            plan = self.prefetcher.plans.get(name)
-            if group and plan is not None and self._plan_epochs.get(name, -1) >= request.epoch:
-                plan.readers = members
-                return share
-            self._plan_epochs[name] = request.epoch
-            # Gathering and sorting a plan of a whole epoch takes long: a worker thread
-            # does it, over the registered arrays (a registration replaces, never mutates).
-            plan = await trio.to_thread.run_sync(_plan_of, name, s.keys, s.paths, s.sizes, share)
-            if self._plan_epochs.get(name) != request.epoch:
-                return share  # a later epoch's plan was installed meanwhile
-            plan.readers = members
-            self.prefetcher.add_plan(plan)
+            await self._orders.install(
+                epoch=request.epoch,
+                seed=request.seed,
+                group=group,
+                members=members,
+                world_size=request.world_size,
+                rank=request.rank,
+                dataset=(s.keys, s.paths, s.sizes),
+                share=share,
+            )
         return share
 
     async def resident_bitmap(self, n: int) -> np.ndarray:
@@ -385,29 +376,8 @@ class Service:
             order = await self.sampling.install_async(msg)
         after = self.sampling.partition
         if before is None or after is None or before[0] is not after[0] or before[1] != after[1]:
-            for tier in ("ram", "ssd"):
-                await self._reclassify(tier)
+            await self.cache.reclassify(self.sampling.unowned)
         return order
-
-    async def _reclassify(self, tier: str) -> None:
-        """Sort a tier's entries into owned and guests (`Owned`), computed over a snapshot
-        of its keys in a worker thread; the policy in force then takes the result."""
-        cache = self.cache
-        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
-        if not isinstance(policy, Owned):
-            return
-        guests = await self.sampling.unowned(list(policy.sizes))
-        policy = cache.policy if tier == "ram" else cache.ssd.policy if cache.ssd else None
-        if guests is not None and isinstance(policy, Owned):
-            policy.reclassify(guests)  # entries admitted meanwhile were sorted on insertion
-
-
-def _plan_of(
-    name: str, keys: np.ndarray, paths: PathTable, sizes: np.ndarray, share: np.ndarray
-) -> Plan:
-    """The prefetch plan of a rank's `share` (sample ids) of the registered dataset (in any
-    thread: it reads only its arguments)."""
-    return Plan(name, keys[share], paths.take(share), sizes[share])
 
 
 @contextlib.contextmanager
@@ -417,32 +387,3 @@ def _refusing() -> Iterator[None]:
         yield
     except (SamplingError, WireError) as exc:
         raise Rejected(str(exc)) from None
-
-
-def ssd_defaults(path: str, size: int | None, min_free: int | None) -> tuple[int, int]:
-    """(budget, free-space floor) for a cache directory.
-
-    By default the floor is 5% of the cache filesystem (at most 1 GiB) and the budget 80% of
-    what is free above it when the cache is created. The budget is recorded in DIR/budget
-    and reused by later mounts that give no SIZE: recomputed from the free space, it would
-    shrink on every remount by what the cache itself already occupies.
-    """
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    # Nothing is written into a directory that someone else could have prepared.
-    check_owner(os.stat(path), f"cache directory {path}")
-    sv = os.statvfs(path)
-    total, free = sv.f_blocks * sv.f_frsize, sv.f_bavail * sv.f_frsize
-    floor = min(total // 20, 1 << 30) if min_free is None else min_free
-    record = Path(path) / "budget"
-    if size is None:
-        try:
-            size = int(record.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            size = int(max(free - floor, 0) * 0.8)
-    try:
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(f"{size}\n")
-        tmp.replace(record)
-    except OSError as exc:
-        log.warning("cannot record the SSD budget in %s: %s", record, exc.strerror)
-    return size, floor

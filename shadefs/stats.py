@@ -39,7 +39,7 @@ class Metrics:
         self.passthrough_opens = 0
         self.control_errors = 0
         self.started = time.time()
-        self.no_open = False  # kernel hits (fs/kernel_hits.py): see Counters
+        self.no_open = False  # kernel hits (kernel/no_open.py): see Counters
 
     def describe(self) -> Counters:
         return Counters(
@@ -80,7 +80,7 @@ class SourceStats:
     healthy: bool
     timeouts: int
     errors: int
-    inline_reads: int = 0  # files read on the event loop, without a thread (source_inline.py)
+    inline_reads: int = 0  # files read on the event loop, without a thread (source/inline.py)
     threads_busy: int = 0  # worker threads in a source call now, stuck ones included
     threads_stuck: int = 0  # of those, threads whose caller gave up (timed out or cancelled)
     queue_timeouts: int = 0  # calls that timed out waiting for a thread (all were busy)
@@ -245,6 +245,7 @@ class PrefetchStats:
     kept: int = 0  # files the RAM tier let go that other jobs still read, staged for them
     late: int = 0  # of `served`: opens that took a prefetch's bytes while it was in flight
     unused: int = 0  # fetched files that landed when no plan read them any more
+    kernel_held: int = 0  # planned files not fetched: the kernel's own pages serve them
 
     def to_json(self) -> dict[str, Any]:
         d = _dump(self)

@@ -13,9 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -50,6 +52,12 @@ class Mount:
     def stats(self) -> dict:
         return json.loads((self.mnt / ".shadefs" / "stats.json").read_bytes())
 
+    @property
+    def no_open(self) -> bool:
+        """Whether the mount serves with kernel hits: the kernel then serves every read of
+        the pages it holds, and the daemon sees and counts only the reads it lacks."""
+        return bool(self.stats()["no_open"])
+
     def ctl(self, line: str) -> None:
         fd = os.open(self.mnt / ".shadefs" / "ctl", os.O_WRONLY)
         try:
@@ -65,6 +73,56 @@ class Mount:
             if res.returncode != 0:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
                 raise AssertionError(f"shadefs umount failed: {res.stderr}")
+
+
+T = TypeVar("T")
+
+
+def poll(
+    check: Callable[[], T],
+    what: str | Callable[[], str],
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.05,
+    alive: subprocess.Popen[Any] | None = None,
+) -> T:
+    """`check()` once it is true (or what it returned, when truthy), asked every `interval`
+    seconds: the one wait of the mount tests, whose daemon is another process. Fails with
+    `what` (a text, or a function that says what was seen) after `timeout` seconds, or as
+    soon as process `alive` has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if alive is not None and alive.poll() is not None:
+            pytest.fail(f"the process exited with {alive.returncode} while waiting: "
+                        f"{what if isinstance(what, str) else what()}")  # fmt: skip
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out: {what if isinstance(what, str) else what()}")
+        time.sleep(interval)
+
+
+class FakeClock:
+    """A clock for the parts' `clock` argument that moves only when the test moves it
+    (`advance`), so that ages past `--revalidate` need no real sleep."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def drop_kernel_pages() -> None:
+    """Drop the kernel's page cache, as memory pressure does for a dataset larger than
+    memory: the next read of every file reaches the daemon, with or without kernel hits
+    (with them, a file whose pages the kernel kept is read without asking the daemon)."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
 
 
 def _dead_mount(path: Path) -> bool:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import errno
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
 import trio
 
 from shadefs.cache.block_keys import block_key, file_key, parse_block_relpath
-from tests.conftest import KERNEL_HITS, make_tree
+from tests.conftest import KERNEL_HITS, make_tree, poll
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path
 from tests.test_random_reads import settled
 
@@ -143,14 +142,12 @@ def _block_entries(cache: Path) -> list[Path]:
 
 
 def _wait_writes(m, n: int, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    def written() -> dict | None:
         s = m.stats()
         ssd = s["tiers"]["ssd"]
-        if ssd["queued_writes"] == 0 and ssd["entries"] >= n:
-            return s
-        assert time.monotonic() < deadline, f"SSD writes did not finish: {ssd}"
-        time.sleep(0.05)
+        return s if ssd["queued_writes"] == 0 and ssd["entries"] >= n else None
+
+    return poll(written, lambda: f"SSD writes did not finish: {m.stats()['tiers']['ssd']}", timeout)
 
 
 @pytest.mark.mount
@@ -183,10 +180,7 @@ def test_corrupt_ssd_block_is_refetched_and_restart_restores_blocks(
     s = m2.stats()
     assert s["corrupt_entries"] == 1
     assert s["blocks"]["source_loads"] == 1 and 0 < s["bytes_from_source"] <= bs
-    deadline = time.monotonic() + 30
-    while not (s := m2.stats())["restore"]["done"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll(lambda: m2.stats()["restore"]["done"], "the restore did not finish")
     # Every block is indexed again: restored, or (the corrupt one) rewritten.
     assert _wait_writes(m2, nblocks)["tiers"]["ssd"]["entries"] == nblocks
 
@@ -255,10 +249,7 @@ def test_blocks_of_another_block_size_are_removed_at_restore(tmp_path: Path, mou
     m.unmount()
     assert len(_block_entries(cache)) == 8
     m2 = mounter(src, "--ram", "512K", "--block-size", "256K", "--ssd", f"{cache}:4M")
-    deadline = time.monotonic() + 30
-    while not m2.stats()["restore"]["done"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll(lambda: m2.stats()["restore"]["done"], "the restore did not finish")
     assert _block_entries(cache) == [] and m2.stats()["ssd_bytes"] == 0
     assert (m2.mnt / "s.tar").read_bytes() == data
     _wait_writes(m2, 4)

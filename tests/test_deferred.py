@@ -193,7 +193,7 @@ async def test_an_empty_file_is_fetched_at_open_since_no_read_comes(tmp_path: Pa
 def test_opens_are_deferred_rarely_while_the_kernel_keeps_no_pages() -> None:
     # A deferred open costs a version check before the fetch its read needs anyway: while
     # most deferred opens were read (the kernel's pages gone), only a probe is deferred.
-    from shadefs.cache.kernel_pages import _PROBE, KernelPages
+    from shadefs.kernel.pages import _PROBE, KernelPages
 
     kernel = KernelPages()
     assert all(kernel.worth_deferring() for _ in range(100))  # trusted: every one

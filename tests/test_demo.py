@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_fuse
+from tests.conftest import poll, require_fuse
 from tests.test_demo_report import FakeEpoch
 
 if not os.environ.get("CI"):
@@ -254,12 +254,9 @@ def test_demo_unmounts_when_interrupted(
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
         # Wait until it is training on its first shadefs mount (slowfs is under it).
-        while not any(p.endswith("mnt-uniform") for p in mounted_under(work)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the demo never mounted"
-            time.sleep(0.2)
+        mounted = lambda: any(p.endswith("mnt-uniform") for p in mounted_under(work))  # noqa: E731
+        poll(mounted, "the demo never mounted", 120, interval=0.2, alive=proc)
         time.sleep(1.0)
         assert len(mounted_under(work)) >= 1
         os.killpg(proc.pid, signum)

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from shadefs.cache.flights import FileFlight, fly_many
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 
 def _st(size: int) -> SimpleNamespace:

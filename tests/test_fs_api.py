@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from pathlib import Path
 
 import pyfuse3
@@ -22,11 +23,13 @@ CTX = FakeCtx()
 
 
 def make_fs(src: Path, **kw) -> tuple[Operations, Service]:
-    """The handlers of a service built for `src`, and the service (its parts)."""
+    """The handlers of a service built for `src`, and the service (its parts). `clock`: the
+    parts' clock (a FakeClock, which the test moves), else the real one."""
+    clock = kw.pop("clock", time.monotonic)
     opts = MountOptions(
         source=str(src), mountpoint="/nonexistent", ram=kw.pop("ram", 1 << 20), **kw
     )
-    service = Service(opts)
+    service = Service(opts, clock)
     return service.operations, service
 
 

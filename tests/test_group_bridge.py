@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import JobTable, ProcInfo

@@ -223,7 +223,7 @@ def test_every_other_path_takes_the_log_in_first(step: str) -> None:
     elif step == "capacity":
         cache.set_capacity(FILES * SIZE)
     else:
-        cache.readers.before_tick()
+        cache.tick_readers()
     assert not cache._hits and job.hits == BATCH_MIN
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from shadefs import source as source_mod
-from shadefs import source_paths
 from shadefs.control.entries import NAME
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.records import attrs_of_row, generation
-from shadefs.source import Source
+from shadefs.source import part as source_mod
+from shadefs.source import paths as source_paths
+from shadefs.source.part import Source
 from tests.conftest import make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, read_all, readdir_names
 
@@ -213,9 +213,11 @@ async def test_a_directory_listed_for_speculation_still_finds_new_names(tmp_path
     # file was ENOENT by path until the listing aged).
     src = make_tree(tmp_path / "src", {"d/a": b"a"})
     ops, svc = make_fs(src)
-    d = await lookup_path(ops, "d")
-    await svc._list_quietly(d)
-    assert d in svc.namespace.listings
+    ns = svc.namespace
+    d, a = await lookup_path(ops, "d"), await lookup_path(ops, "d/a")
+    assert ns.listing_of_file(a) is None and d in ns._relist  # asked of the relisting task
+    await ns.listing(d, quiet=True)  # (what that task does)
+    assert d in ns.listings
     (src / "d" / "new").write_bytes(b"new file")
     new = await ops.lookup(d, b"new", CTX)  # the kernel holds d: only the name is asked
     assert await read_all(ops, new.st_ino) == b"new file"

@@ -16,6 +16,7 @@ import pytest
 
 from shadefs.cache.policies import EpochPolicy
 from shadefs.readers.jobs import JobTable, ProcInfo, job_root
+from tests.conftest import poll
 
 
 def interleaved(n: int, jobs: int, epochs: int, seed: int) -> list[tuple[int, int]]:
@@ -177,14 +178,11 @@ def test_a_job_that_ends_leaves_the_demand() -> None:
 
 
 def _pids(out: Path, count: int, proc: subprocess.Popen[bytes]) -> list[int]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def started() -> list[int]:
         lines = out.read_text().split() if out.exists() else []
-        if len(lines) >= count:
-            return [int(x) for x in lines[:count]]
-        assert proc.poll() is None, "the process tree died"
-        time.sleep(0.05)
-    raise AssertionError("the process tree did not start")
+        return [int(x) for x in lines[:count]] if len(lines) >= count else []
+
+    return poll(started, "the process tree did not start", alive=proc)
 
 
 REPORT = "import os,sys,time; open(sys.argv[1],'a').write(f'{os.getpid()}\\n'); time.sleep(30)"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shadefs import kernel
-from shadefs.fs.kernel import PUSH_MAX
+from shadefs.kernel import tuning
+from shadefs.kernel.notify import PUSH_MAX
 from tests.conftest import Mount, make_tree
 
 # A device no bdi has: its read_ahead_kb write fails, which must not stop the others.
@@ -18,27 +18,27 @@ _NO_BDI = os.makedev(0, (1 << 20) - 1)
 
 
 def test_the_connection_is_named_by_the_kernels_device_number() -> None:
-    assert kernel.connection_id(os.makedev(0, 45)) == 45  # FUSE: an anonymous device
-    assert kernel.connection_id(os.makedev(8, 1)) == (8 << 20) | 1
+    assert tuning.connection_id(os.makedev(0, 45)) == 45  # FUSE: an anonymous device
+    assert tuning.connection_id(os.makedev(8, 1)) == (8 << 20) | 1
 
 
 def test_tune_writes_the_queue_depth_of_the_mounts_connection(tmp_path: Path) -> None:
-    conn = tmp_path / str(kernel.connection_id(_NO_BDI))
+    conn = tmp_path / str(tuning.connection_id(_NO_BDI))
     conn.mkdir()
     other = tmp_path / "46"
     other.mkdir()
     for d in (conn, other):
         (d / "max_background").write_text("12\n")
         (d / "congestion_threshold").write_text("9\n")
-    kernel.tune(_NO_BDI, fusectl=str(tmp_path))
-    assert (conn / "max_background").read_text() == str(kernel.MAX_BACKGROUND)
-    assert (conn / "congestion_threshold").read_text() == str(kernel.CONGESTION_THRESHOLD)
+    tuning.tune(_NO_BDI, fusectl=str(tmp_path))
+    assert (conn / "max_background").read_text() == str(tuning.MAX_BACKGROUND)
+    assert (conn / "congestion_threshold").read_text() == str(tuning.CONGESTION_THRESHOLD)
     assert (other / "max_background").read_text() == "12\n"  # another mount's: untouched
 
 
 def test_tune_without_a_connection_directory_is_quiet(tmp_path: Path) -> None:
     (tmp_path / "something").mkdir()  # not empty: fusectl is not mounted over it
-    kernel.tune(_NO_BDI, fusectl=str(tmp_path))
+    tuning.tune(_NO_BDI, fusectl=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["something"]
 
 
@@ -48,13 +48,13 @@ def test_a_mount_as_root_has_the_daemons_settings(tmp_path: Path, mounter) -> No
         pytest.skip("only root may write the mount's sysfs settings")
     m = mounter(make_tree(tmp_path / "src", {"f": b"x"}))
     dev = os.stat(m.mnt).st_dev
-    conn = Path(kernel.FUSECTL) / str(kernel.connection_id(dev))
+    conn = Path(tuning.FUSECTL) / str(tuning.connection_id(dev))
     if not conn.is_dir():
         pytest.skip("no fusectl here, and the daemon could not mount it (read-only /sys?)")
-    assert int((conn / "max_background").read_text()) == kernel.MAX_BACKGROUND
-    assert int((conn / "congestion_threshold").read_text()) == kernel.CONGESTION_THRESHOLD
+    assert int((conn / "max_background").read_text()) == tuning.MAX_BACKGROUND
+    assert int((conn / "congestion_threshold").read_text()) == tuning.CONGESTION_THRESHOLD
     bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-    assert int(bdi.read_text()) == kernel.READ_AHEAD_KB
+    assert int(bdi.read_text()) == tuning.READ_AHEAD_KB
 
 
 def _reads(m: Mount) -> int:
@@ -64,7 +64,7 @@ def _reads(m: Mount) -> int:
 def test_a_small_files_first_open_brings_its_bytes_without_a_read(
     tmp_path: Path, mounter: Callable[..., Mount]
 ) -> None:
-    """fs/kernel.py `push_pages`: the open of a small file the kernel holds no pages of
+    """kernel/notify.py `push_pages`: the open of a small file the kernel holds no pages of
     stores them, so that reading it sends no READ; a large file is read as before."""
     small, most, big = os.urandom(5000), os.urandom(PUSH_MAX), os.urandom(PUSH_MAX + 5000)
     tree = {"s.bin": small, "t.bin": small[::-1], "m.bin": most, "b.bin": big}
@@ -99,8 +99,8 @@ def test_reopens_bring_their_bytes_again_once_the_kernel_drops_pages(
 ) -> None:
     """A reopen (a hit) answers with the kernel's pages trusted; once two reopens close
     together had to be read (the kernel dropped pages in bulk: a page-cache drop between
-    epochs), the reopens after them push their bytes with the open (operations.py
-    `_REPUSH`). One file's pages dropped on their own push nothing."""
+    epochs), the reopens after them push their bytes with the open (kernel/pages.py
+    `BulkDrops`). One file's pages dropped on their own push nothing."""
     files = {f"f{i}.bin": os.urandom(5000) for i in range(7)}
     big = os.urandom(PUSH_MAX + 5000)
     src = make_tree(tmp_path / "src", {**files, "big.bin": big})

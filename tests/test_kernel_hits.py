@@ -1,5 +1,5 @@
 """Kernel hits (FUSE no-open) driven through the handlers: what a READ that names an inode
-gets, the control directory's sessions, and the choice of mode (fs/kernel_hits.py)."""
+gets, the control directory's sessions, and the choice of mode (kernel/no_open.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pyfuse3
 import pytest
+import trio
+import trio.testing
 
 from shadefs.control.entries import DIR_INODE, SESSION_BASE
-from shadefs.fs import kernel_hits
+from shadefs.control.files import PLAN_QUIET
+from shadefs.kernel import no_open
 from shadefs.sampling import wire
 from tests.conftest import FakeCtx, make_tree
 from tests.test_fs_api import lookup_path, make_fs
@@ -123,6 +126,34 @@ async def test_an_order_request_and_its_response_on_one_session(tmp_path: Path) 
     assert size == len(req) + len(resp)
 
 
+async def test_a_plan_is_installed_once_its_writer_is_quiet(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """No close is seen: a plan is installed once no plan was written for PLAN_QUIET, as
+    far as written, and whole once its last part came."""
+    src, files = _src(tmp_path)
+    ops, svc = make_fs(src, kernel_hits="on")
+    assert svc.prefetcher is not None
+    plan = await _session(ops, b"plan")
+    text = "".join(f"{r}\n" for r in sorted(files)).encode()
+    cut = text.index(b"\n", len(text) // 2) + 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(svc.control.run)
+        await ops.write(plan, 0, text[:cut])
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(PLAN_QUIET / 2)
+        await ops.write(plan, cut, text[cut:])  # the writer goes on
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(PLAN_QUIET * 0.75)  # quiet since the first part, not the last
+        await trio.testing.wait_all_tasks_blocked()
+        assert not svc.prefetcher.plans
+        mock_clock.jump(PLAN_QUIET * 0.5)
+        await trio.testing.wait_all_tasks_blocked()
+        (installed,) = svc.prefetcher.plans.values()
+        assert sorted(installed.paths) == sorted(r.encode() for r in files)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_plan_is_installed_before_the_next_read(tmp_path: Path) -> None:
     src, files = _src(tmp_path)
     ops, svc = make_fs(src, kernel_hits="on")
@@ -138,8 +169,8 @@ def test_a_stock_pyfuse3_keeps_opens_and_says_why_once(
 ) -> None:
     monkeypatch.delattr(pyfuse3, "NO_OPEN_FH_IS_INODE", raising=False)
     with caplog.at_level(logging.INFO, logger="shadefs"):
-        assert kernel_hits.resolve("on") is False
-        assert kernel_hits.resolve("off") is False
+        assert no_open.resolve("on") is False
+        assert no_open.resolve("off") is False
     lines = [r for r in caplog.records if "kernel hits" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "kernel hits are off" in lines[0].getMessage()
@@ -147,5 +178,5 @@ def test_a_stock_pyfuse3_keeps_opens_and_says_why_once(
 
 def test_the_patched_pyfuse3_is_installed() -> None:
     # make setup builds it (tools/install-pyfuse3.sh): the mount tests need it in CI.
-    assert kernel_hits.supported(), "pyfuse3 lacks the no-open patch: run `make pyfuse3`"
-    assert kernel_hits.resolve("auto") and not kernel_hits.resolve("off")
+    assert no_open.supported(), "pyfuse3 lacks the no-open patch: run `make pyfuse3`"
+    assert no_open.resolve("auto") and not no_open.resolve("off")

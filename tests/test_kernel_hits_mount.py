@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_tree, require_fuse
+from tests.conftest import make_tree, poll, require_fuse
 
 pytestmark = pytest.mark.mount
 
@@ -145,10 +145,7 @@ def test_a_stock_pyfuse3_serves_with_opens_and_says_so_once(tmp_path: Path) -> N
     cmd = [sys.executable, "-c", _STOCK, "mount", str(src), str(mnt), "-f", "--log", str(log)]
     proc = subprocess.Popen([*cmd, "--kernel-hits", "on"])
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(mnt):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        poll(lambda: os.path.ismount(mnt), log.read_text, alive=proc)
         for _ in range(2):
             assert _read_all(mnt) == FILES
         stats = (mnt / ".shadefs" / "stats.json").read_text()

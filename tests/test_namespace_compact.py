@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,8 @@ from hypothesis import strategies as st
 from shadefs.fs.namespace import ROOT_INODE, Namespace
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.sampling.registry import PathTable
-from shadefs.source import Source
-from tests.conftest import make_tree
+from shadefs.source.part import Source
+from tests.conftest import FakeClock, make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path, readdir_names
 
 
@@ -145,13 +144,14 @@ async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
 
 async def test_a_refreshed_listing_takes_over_every_node(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"d/same": b"1", "d/changed": b"2"})
-    ops, svc = make_fs(src, revalidate=0.5)
+    clock = FakeClock()
+    ops, svc = make_fs(src, revalidate=0.5, clock=clock)
     ns = svc.namespace
     d = await lookup_path(ops, "d")
     await readdir_names(ops, d)
     old = ns._snaps[ns.listings[d]]
     same, changed = (ns.ino_of((src / "d" / n).lstat()) for n in ("same", "changed"))
-    time.sleep(0.6)
+    clock.advance(0.6)
     (src / "d" / "changed").write_bytes(b"longer")
     await readdir_names(ops, d)  # refreshed: readdirplus tells the kernel again
     new = ns._snaps[ns.listings[d]]
@@ -246,14 +246,15 @@ def test_scan_rows_keeps_fields_above_2_63(tmp_path: Path) -> None:
 
 async def test_a_reopened_file_sees_its_change_and_its_forget(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"d/f": b"1"})
-    ops, svc = make_fs(src, revalidate=0.3)
+    clock = FakeClock()
+    ops, svc = make_fs(src, revalidate=0.3, clock=clock)
     ns = svc.namespace
     ino = await lookup_path(ops, "d/f")
     for _ in range(2):  # the second open comes from the kept record
         await ops.release((await ops.open(ino, os.O_RDONLY, CTX)).fh)
     assert ns.opening(ino)[0].st_size == 1
     (src / "d" / "f").write_bytes(b"changed")
-    time.sleep(0.4)
+    clock.advance(0.4)
     ino, fi = await open_path(ops, ino, "d/f")  # ESTALE: the new version is a new node
     assert await ops.read(fi.fh, 0, 100) == b"changed"
     await ops.release(fi.fh)

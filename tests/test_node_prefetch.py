@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import trio
 from shadefs.options import MountOptions
 from shadefs.sampling import wire, wire_nodes
 from shadefs.service import Service
-from tests.conftest import make_tree
+from tests.conftest import make_tree, poll
 
 N = 40
 
@@ -91,12 +90,12 @@ def _node_stats(mnt: str) -> dict[str, Any]:
 
 def _idle(mnt: str) -> dict[str, Any]:
     """The node's stats once its prefetcher has nothing in flight."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def idle() -> dict[str, Any] | None:
         doc = _node_stats(mnt)
-        if doc["prefetch"]["inflight"] == 0 or time.monotonic() > deadline:
-            return doc
-        time.sleep(0.05)
+        return doc if doc["prefetch"]["inflight"] == 0 else None
+
+    return poll(idle, "the node's prefetcher kept fetches in flight")
 
 
 def _rank_main(rank: int, world: int, rdv: str, mounts: list[str], out: str) -> None:

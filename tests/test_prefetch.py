@@ -21,8 +21,10 @@ import trio
 import trio.testing
 
 from shadefs.cache.policies import BeladyPolicy
+from shadefs.kernel.pages import KernelPages
+from shadefs.prefetch.fetching import SSD
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
-from tests.conftest import require_fuse, shadefs_cmd
+from tests.conftest import poll, require_fuse, shadefs_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,6 +149,41 @@ def test_window_bounds_what_is_staged_and_skips_oversized() -> None:
     assert big._next_item() is None and big.skipped == 2
 
 
+def test_files_the_kernel_serves_are_left_to_it() -> None:
+    """A planned file whose reads the kernel's own pages will serve is not staged: fetched,
+    it would never be read (under kernel hits the daemon does not even see its open)."""
+    kernel = KernelPages()
+    for key in (2, 3):
+        kernel.opened(key)  # opened since the kernel last forgot them: it may hold them
+    pf = _prefetcher(10_000, kernel=kernel, no_open=True)
+    pf.add_plan(_plan("a", [1, 2, 3, 4]))
+
+    def picks() -> list[int]:
+        got = []
+        while (pick := pf._next_item()) is not None:
+            got.append(pick[2])
+            pf._inflight[pick[2]] = 100
+            pf._inflight_bytes += 100
+        return got
+
+    assert picks() == [1, 4] and pf.kernel_held == 2
+    for _ in range(32):  # its files are read again: the kernel's pages went
+        kernel.served(False)
+    pf._trust()  # (each round's first step): the plan goes back to its reader
+    assert picks() == [2, 3]
+
+
+@pytest.mark.parametrize("no_open", [False, True])
+def test_an_ssd_entry_is_left_to_the_kernel_only_without_opens(no_open: bool) -> None:
+    """With opens, an SSD entry is staged whatever the kernel holds: its open reads the
+    entry anyway, and staging it spares the reader that read."""
+    kernel = KernelPages()
+    kernel.opened(7)
+    pf = Prefetcher(_never_fetched, lambda key: SSD, window=10_000, kernel=kernel, no_open=no_open)
+    pf.add_plan(_plan("a", [7]))
+    assert (pf._next_item() is None) == no_open
+
+
 def test_concurrency_follows_littles_law() -> None:
     pf = _prefetcher(10_000, max_workers=16)
     p = _plan("a", list(range(100)))
@@ -221,10 +258,7 @@ def test_a_jobs_own_order_is_prefetched_before_it_reads(slow_source, mounter) ->
     rels = sorted(str(p.relative_to(real)) for p in real.rglob("*.bin"))
     opens_before = _slow_stats(remote)["opens"]
     _write_plan(m.mnt, rels[:30])
-    deadline = time.monotonic() + 20
-    while m.stats()["prefetch"]["fetched"] < 30:
-        assert time.monotonic() < deadline, m.stats()["prefetch"]
-        time.sleep(0.05)
+    poll(lambda: m.stats()["prefetch"]["fetched"] >= 30, lambda: str(m.stats()["prefetch"]), 20)
     # The source saw the reads before the reader asked for anything.
     assert _slow_stats(remote)["opens"] - opens_before >= 30
     before = m.stats()
@@ -322,7 +356,7 @@ def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() 
 
 
 def test_a_groups_staged_file_waits_for_every_member() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
 
@@ -605,7 +639,7 @@ def test_a_reader_that_joined_a_failed_prefetch_batch_fetches_its_file_alone() -
 
 
 def test_a_replaced_plan_unstages_what_no_plan_reads_but_what_members_still_take() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
 
     sig = Signature(size=3, mtime_ns=1, ctime_ns=1, ino=1)
     pf = _prefetcher(10_000)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +18,8 @@ import trio.testing
 
 from shadefs.cache.block_keys import is_piece
 from shadefs.cache.extents import EXTENT, STREAM_RUN, Extents, streak, streams
-from shadefs.cache.ssd_format import Signature
-from tests.conftest import make_tree
+from shadefs.file_version import Signature
+from tests.conftest import make_tree, poll
 from tests.test_fs_api import CTX, lookup_path, make_fs
 
 BS = 256 << 10
@@ -387,13 +386,12 @@ async def test_random_readers_turn_off_the_source_read_ahead(tmp_path: Path, mon
 
 
 def _mount_settled(m) -> dict:
-    deadline = time.monotonic() + 30
-    while True:
+    def settled() -> dict | None:
         s = m.stats()
-        if s["tiers"]["ssd"]["queued_writes"] == 0 and s["blocks"]["ahead_bytes"] == 0:
-            return s
-        assert time.monotonic() < deadline, s["tiers"]["ssd"]
-        time.sleep(0.05)
+        idle = s["tiers"]["ssd"]["queued_writes"] == 0 and s["blocks"]["ahead_bytes"] == 0
+        return s if idle else None
+
+    return poll(settled, lambda: f"writes or read-ahead did not end: {m.stats()['tiers']['ssd']}")
 
 
 @pytest.mark.mount

@@ -10,7 +10,7 @@ import trio.testing
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.policies import EpochPolicy
 from shadefs.readers.jobs import JobTable, ProcInfo
-from shadefs.readers.part import Readers
+from shadefs.readers.part import SETTLE, Readers
 from shadefs.readers.pending import PendingReads
 
 
@@ -25,8 +25,13 @@ def test_the_sweep_ends_an_idle_job_everywhere_and_stats_change_nothing() -> Non
     readers.pending.expect(0, np.arange(10), job=0)
 
     async def run() -> None:
+        async def ticking() -> None:  # (as the cache ticks its readers)
+            while True:
+                await trio.sleep(SETTLE)
+                readers.tick()
+
         async with trio.open_nursery() as nursery:
-            readers.start(nursery)
+            nursery.start_soon(ticking)
             for key in (1, 2):
                 readers.read(key, pid=7)
                 readers.read(key, pid=8)

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from pathlib import Path
 
 import pyfuse3
 import pytest
 
-from shadefs.fs import namespace as fs_namespace
-from shadefs.fs import operations as fs_operations
-from shadefs.fs import resolving as fs_resolving
-from shadefs.fs import revalidate as fs_revalidate
-from shadefs.fs import xattrs as fs_xattrs
-from tests.conftest import make_tree
+from tests.conftest import FakeClock, make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, open_path
 
 
@@ -70,31 +64,16 @@ async def test_an_evicted_entry_is_fetched_again_by_the_full_path(tmp_path: Path
     assert ino in svc.cache.entries and ino in svc.namespace.verified
 
 
-class _Clock:
-    """time.monotonic for the fs part's revalidation (namespace, handlers, resolving,
-    xattrs), moved on at will: a --revalidate period passes without a real sleep."""
-
-    def __init__(self) -> None:
-        self.ahead = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.ahead
-
-
-async def test_a_changed_file_is_served_in_its_new_version_once_checked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = _Clock()
-    for module in (fs_namespace, fs_operations, fs_resolving, fs_revalidate, fs_xattrs):
-        monkeypatch.setattr(module, "time", clock)
+async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path: Path) -> None:
+    clock = FakeClock()  # (the fs part's: a --revalidate period passes without a sleep)
     src = make_tree(tmp_path / "src", {"d/f": b"1"})
-    ops, svc = make_fs(src, revalidate=0.3)
+    ops, svc = make_fs(src, revalidate=0.3, clock=clock)
     ino = await lookup_path(ops, "d/f")
     for _ in range(2):
         assert await _open_read_release(ops, ino) == b"1"
     (src / "d" / "f").write_bytes(b"changed")
     assert await _open_read_release(ops, ino) == b"1"  # within --revalidate: as looked up
-    clock.ahead += 0.4
+    clock.advance(0.4)
     # The check was due: ESTALE, and the kernel's retry finds the new version: a new node.
     new, fi = await open_path(ops, ino, "d/f")
     assert new != ino and bytes(await ops.read(fi.fh, 0, 100)) == b"changed"

@@ -27,11 +27,11 @@ import numpy as np
 import pyfuse3
 import pytest
 
-from shadefs import source_paths
 from shadefs.fs.namespace import ROOT_INODE
-from shadefs.source import Source
-from shadefs.source_paths import Resolver
-from tests.conftest import KERNEL_HITS, FakeCtx, Mount
+from shadefs.source import paths as source_paths
+from shadefs.source.part import Source
+from shadefs.source.paths import Resolver
+from tests.conftest import KERNEL_HITS, FakeCtx, Mount, poll
 
 CTX = FakeCtx()
 Mounter = Callable[..., Mount]
@@ -430,10 +430,7 @@ def test_mount_passthrough_never_follows_a_swap(
 
 
 def _wait_for_ssd(m: Mount, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while m.stats().get("ssd_entries", 0) < n:
-        assert time.monotonic() < deadline, "SSD writes did not finish"
-        time.sleep(0.05)
+    poll(lambda: m.stats().get("ssd_entries", 0) >= n, "SSD writes did not finish")
 
 
 @pytest.mark.mount
@@ -490,10 +487,7 @@ def test_mount_prefetch_never_follows_a_swap(
         swap_file(src / "c2" / "a.txt", secret / "a.txt")
     finally:
         os.close(fd)
-    deadline = time.monotonic() + 10
-    while m.stats()["prefetch"]["errors"] < 2:
-        assert time.monotonic() < deadline, m.stats()["prefetch"]
-        time.sleep(0.05)
+    poll(lambda: m.stats()["prefetch"]["errors"] >= 2, lambda: str(m.stats()["prefetch"]), 10)
     s = m.stats()
     assert s["prefetch"]["fetched"] == 0 and s["prefetch"]["staged"] == 0
     assert s["bytes_from_source"] == 0

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import trio
 
 from shadefs.demo import slowfs
 from shadefs.demo.slowfs_ops import Link
+from tests.conftest import poll
 
 # How the demo, the benchmarks and the README start it.
 SLOWFS = [sys.executable, "-m", "shadefs.demo.slowfs"]
@@ -46,14 +47,10 @@ def _require_fuse() -> None:
         pytest.skip(reason)
 
 
-def _wait_for(condition: object, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not condition():  # type: ignore[operator]
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"slowfs exited with {proc.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
+def _wait_for(
+    condition: Callable[[], object], what: str, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    poll(condition, what, DEADLINE, interval=0.02, alive=proc)
 
 
 def _force_unmount(mnt: Path) -> None:

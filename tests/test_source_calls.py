@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from shadefs.source import Source
-from shadefs.source_calls import Calls, TimedOut
+from shadefs.source.calls import Calls, TimedOut
+from shadefs.source.part import Source
 
 
 def _blocked(gate: threading.Event, started: threading.Event) -> str:

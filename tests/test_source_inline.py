@@ -1,6 +1,6 @@
 """Small files the source has cached are read on the event loop, and nothing else is.
 
-`InlineReads` (shadefs/source_inline.py) must give exactly what a worker thread's fetch
+`InlineReads` (shadefs/source/inline.py) must give exactly what a worker thread's fetch
 gives, one version of one regular file beneath the root, or leave the file to that fetch:
 a symlink, an escape, a FIFO, a large or grown file and pages that are not in memory all
 go to the thread, whose answers the other tests check.
@@ -16,9 +16,9 @@ from typing import Any
 import pyfuse3
 import pytest
 
-from shadefs import source_inline
-from shadefs.source import Source
-from shadefs.source_inline import LOCAL, MAX_INLINE, InlineReads, fstype_of
+from shadefs.source import inline as source_inline
+from shadefs.source.inline import LOCAL, MAX_INLINE, InlineReads, fstype_of
+from shadefs.source.part import Source
 
 SMALL = os.urandom(4096)
 

@@ -1,4 +1,4 @@
-"""A random reader's large source reads travel in pieces at once (shadefs/source_reads.py).
+"""A random reader's large source reads travel in pieces at once (shadefs/source/reads.py).
 
 The mounted tests read over the slow-remote emulator, which counts how many reads wait
 there at once (`reads_in_flight_max`) and how many bytes it sent: a large read of a
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from shadefs import source_reads
 from shadefs.cache.extents import advise, pread_stat
-from shadefs.source import Source
-from shadefs.source_reads import DEFAULT_PIECE, readahead_bytes, spread
+from shadefs.source import reads as source_reads
+from shadefs.source.part import Source
+from shadefs.source.reads import DEFAULT_PIECE, readahead_bytes, spread
 from tests.conftest import require_fuse
 
 MiB = 1 << 20

@@ -138,7 +138,7 @@ def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE, **kw):
     """`kw`: more of the cache's arguments (an SSD tier's)."""
     source = _CountingSource(delay=0.005)
     cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window, **kw)
-    spec = Speculator(cache, idle=idle, seed=0)
+    spec = Speculator(cache, cache.handles.kernel, idle=idle, seed=0)
     return source, cache, spec
 
 
@@ -225,12 +225,12 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3, 4])), 20 * SIZE)
     pf = cache.prefetcher
     assert pf is not None
-    off = Speculator(cache, enabled=False)
+    off = Speculator(cache, cache.handles.kernel, enabled=False)
     trio.run(_read, cache, source, 1)
     off.sync()
     off.tend(time.monotonic())
     assert not off.plans and len(cache.readers.jobs.jobs[0].reads) == 0  # read in, no plan
-    on = Speculator(cache)
+    on = Speculator(cache, cache.handles.kernel)
     trio.run(_read, cache, source, 2)
     trio.run(_read, cache, source, 4)  # (one open is no sign of an epoch: two)
     pf.add_plan(Plan("sampler", np.array([3], dtype=np.uint64), [b"p3"], np.array([SIZE])))
@@ -288,7 +288,7 @@ def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> Non
         d = FakeListing(b"d", list(range(1, 41)))
         d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
         cache = _cache(source, _listings(d), 200 * SIZE)
-        spec = Speculator(cache, seed=0)
+        spec = Speculator(cache, cache.handles.kernel, seed=0)
         assert cache.ram_max < 2 * SIZE
         for key in (3, 5):
             await _read(cache, source, key)
@@ -344,8 +344,8 @@ def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_p
     # An SSD hit is never deferred, so `held` never learns that a drop of the page cache
     # took the kernel's pages (e2e (g)): an SSD entry is planned all the same, since its open
     # reads the entry whether or not the kernel has it.
-    from shadefs.cache.ssd_format import Signature
-    from shadefs.cache.ssd_store import SsdStore
+    from shadefs.cache.ssd.store import SsdStore
+    from shadefs.file_version import Signature
 
     ssd = SsdStore(tmp_path / "ssd", 1 << 30, min_free=0)
     source, cache, spec = _setup(n=20, ssd=ssd, key_of_ino=int)
@@ -359,7 +359,7 @@ def test_ssd_entries_are_staged_even_where_the_kernel_may_hold_their_pages(tmp_p
 
 
 def test_the_kernel_pages_map_forgets_with_the_kernel() -> None:
-    from shadefs.cache.kernel_pages import KernelPages
+    from shadefs.kernel.pages import KernelPages
 
     kernel = KernelPages()
     assert not kernel.opened(5) and kernel.opened(5)
@@ -434,7 +434,7 @@ def test_a_shell_loop_of_one_file_jobs_fetches_each_file_once(tmp_path: Path) ->
     async def run() -> None:
         source = _CountingSource(delay=0.005)
         cache = _cache_of_procs(source, procs.root, 60, 20 * SIZE)
-        spec = Speculator(cache, seed=0)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, clock=trio.current_time)
         pf = cache.prefetcher
         assert pf is not None
         order = random.Random(5).sample(range(1, 61), 60)
@@ -463,7 +463,7 @@ def test_a_plan_needs_two_opens_and_ends_when_the_jobs_processes_exit(tmp_path: 
     procs = _Procs(tmp_path / "proc")
     source = _CountingSource()
     cache = _cache_of_procs(source, procs.root, 20, 20 * SIZE)
-    spec = Speculator(cache, seed=0)
+    spec = Speculator(cache, cache.handles.kernel, seed=0)
     pf = cache.prefetcher
     assert pf is not None
     procs.start(7, b"python")

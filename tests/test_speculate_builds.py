@@ -50,7 +50,7 @@ def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_jo
         source = _CountingSource(delay=0.001)
         files, more = FakeListing(b"d", list(range(1, 21))), FakeListing(b"e", [21, 22])
         cache = _cache(source, _listings(files, more), 100 * SIZE)
-        spec = Speculator(cache, seed=0, offload_above=0)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, offload_above=0)
         await _read(cache, source, 1)  # cached: never planned
         readers = cache.readers
         for key in (2, 3):  # read, not cached
@@ -97,7 +97,7 @@ def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
     async def run() -> None:
         source = _CountingSource(delay=0.001)
         cache = _cache(source, _listings(FakeListing(b"d", list(range(1, 21)))), 100 * SIZE)
-        spec = Speculator(cache, offload_above=0)
+        spec = Speculator(cache, cache.handles.kernel, offload_above=0)
         pf = cache.prefetcher
         assert pf is not None
         for key in (1, 2):  # (a plan comes after two opens: speculate.EVIDENCE)
@@ -136,7 +136,7 @@ def test_a_speculative_plan_counts_its_jobs_reads_not_taken_in_yet() -> None:
 
 
 def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_it() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
     from shadefs.prefetch.spec_plans import JobEpoch
     from tests.test_prefetch import _prefetcher
 
@@ -174,7 +174,7 @@ def test_a_remade_plan_leads_with_what_is_staged_and_the_prefetcher_starts_past_
 
 
 def test_a_known_order_keeps_its_order_when_staged_files_are_in_it() -> None:
-    from shadefs.cache.ssd_format import Signature
+    from shadefs.file_version import Signature
     from tests.test_prefetch import _plan, _prefetcher
 
     pf = _prefetcher(100 * SIZE)

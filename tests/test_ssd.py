@@ -20,9 +20,10 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shadefs.cache import ssd_store
-from shadefs.cache.ssd_format import HSIZE, Signature
-from shadefs.cache.ssd_store import CacheLocked, SsdStore
+from shadefs.cache.ssd import store as ssd_store
+from shadefs.cache.ssd.format import HSIZE
+from shadefs.cache.ssd.store import CacheLocked, SsdStore
+from shadefs.file_version import Signature
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = 1 << 40  # a capacity that never binds
@@ -68,8 +69,8 @@ def tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from shadefs.cache.ssd_format import Signature
-from shadefs.cache.ssd_store import SsdStore
+from shadefs.file_version import Signature
+from shadefs.cache.ssd.store import SsdStore
 s = SsdStore(Path(sys.argv[1]), 1 << 40, min_free=0)
 for i in range(int(sys.argv[2])):
     data = (b"%08d" % i) * 100

@@ -12,8 +12,8 @@ import numpy as np
 import trio
 
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.ssd_format import Signature
-from shadefs.cache.ssd_store import SsdStore
+from shadefs.cache.ssd.store import SsdStore
+from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import PrefetchSettings
 from shadefs.prefetch.plans import Plan
 from shadefs.stats import Metrics

@@ -42,7 +42,7 @@ RESTORE = {"done", "entries", "seconds"}
 PREFETCH = {
     "plans", "plan_positions", "fetched", "fetched_bytes", "served", "wasted", "errors",
     "skipped", "staged", "staged_bytes", "inflight", "workers_target", "latency_ms", "window",
-    "plans_done", "plans_abandoned", "kept", "late", "unused",
+    "plans_done", "plans_abandoned", "kept", "late", "unused", "kernel_held",
 }  # fmt: skip
 BLOCKS = {
     "block_size", "threshold", "passthrough_above", "opens", "hits", "ssd_loads", "source_loads",

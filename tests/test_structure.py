@@ -13,6 +13,7 @@ interpreter is still a cycle for a reader). Edges are resolved as Python resolve
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +21,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "shadefs"
 MAX_LINES = 450
 # Modules past MAX_LINES that were looked at and own one concept, which splitting would
-# only scatter (DESIGN.md §9: one concept stays whole), up to ONE_CONCEPT_MAX lines.
+# only scatter (docs/design.md §9: one concept stays whole), up to ONE_CONCEPT_MAX lines.
 ONE_CONCEPT = {
     "shadefs/fs/operations.py": "the pyfuse3 request handlers, one per request type",
     "shadefs/stats.py": "the one typed stats schema and its JSON form",
+    "shadefs/cache/coordinator.py": "the cache's face: RAM tier, single flight, accounting",
+    "shadefs/prefetch/prefetcher.py": "the staging buffer and the scheduler that fills it",
 }
 ONE_CONCEPT_MAX = 800
 UI_LIBRARIES = ("rich", "tqdm", "matplotlib", "torch", "PIL")
@@ -158,6 +161,33 @@ def test_no_import_cycle() -> None:
     )
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the package's parts: each module stands for its subpackage
+    of shadefs (shadefs.cache.blocks is shadefs.cache), a top-level module for itself. A
+    part that imports another, which imports it back through other modules, is a cycle
+    no module cycle shows."""
+
+    def part(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = out.setdefault(part(module), set())
+        edges.update(part(t) for t in targets if part(t) != part(module) and t != "shadefs")
+    return out
+
+
+def test_the_package_graph_sees_a_cycle_between_parts() -> None:
+    graph = {"shadefs.a.x": {"shadefs.b.y"}, "shadefs.b.z": {"shadefs.a.w"}, "shadefs.c": set()}
+    assert find_cycles(package_graph(graph)) == [["shadefs.a", "shadefs.b", "shadefs.a"]]
+
+
+def test_no_import_cycle_between_parts() -> None:
+    graph = package_graph(import_graph())
+    report = [f"  {' -> '.join(_cycle_in(graph, set(c)))}" for c in strongly_connected(graph)]
+    assert not report, "import cycles between the parts of shadefs/:\n" + "\n".join(report)
+
+
 _UP = ("shadefs.service", "shadefs.daemon")  # the owner of the parts, and its process
 # What each part may not import, even under TYPE_CHECKING: data flows fs -> cache -> source,
 # control sees the daemon only through its own Protocol, and no part reaches up to the
@@ -181,6 +211,17 @@ FORBIDDEN = {
     "shadefs.fs": _UP,
     "shadefs.control": ("shadefs.fs", "shadefs.cache", *_UP),
     "shadefs.stats": ("shadefs.source", "shadefs.fs", "shadefs.cache", "shadefs.control", *_UP),
+    # What the daemon tells or asks the kernel: a leaf, under every part that needs it.
+    "shadefs.kernel": (
+        "shadefs.fs",
+        "shadefs.cache",
+        "shadefs.prefetch",
+        "shadefs.readers",
+        "shadefs.sampling",
+        "shadefs.control",
+        "shadefs.source",
+        *_UP,
+    ),  # fmt: skip
 }
 
 
@@ -260,3 +301,98 @@ def test_the_daemon_imports_no_ui_library() -> None:
     loaded = set(res.stdout.split())
     found = sorted(m for m in loaded if m.split(".")[0] in UI_LIBRARIES)
     assert not found, f"importing shadefs.daemon loads UI libraries or torch: {found}"
+
+
+# A file named in a comment or docstring: a path ending in one of these suffixes.
+_CITED = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.(?:py|md|sh|patch|toml))\b")
+REPO = PACKAGE.parent
+# Files of other projects that comments name (pyfuse3's, S3QL's, trio's).
+_ELSEWHERE = {"fs.py", "_run.py", "handlers.pxi", "mount.py", "block_cache.md", "module.py"}
+
+
+def _exists(ref: str, near: Path, names: set[str]) -> bool:
+    """Whether `ref`, cited in file `near`, is a file of the repository: as a path from the
+    repository, the package, docs/, tools/ or tests/, or from the citing file's directory
+    or one above it; a bare name anywhere in the tree."""
+    if "/" not in ref:
+        return ref in names or ref in _ELSEWHERE
+    if ref.startswith("path/to/"):  # (an example of a path)
+        return True
+    bases = [REPO, PACKAGE, REPO / "docs", REPO / "tools", REPO / "tools" / "bench", REPO / "tests"]
+    return any((base / ref).exists() for base in [*bases, *near.parents])
+
+
+def test_every_file_a_comment_cites_exists() -> None:
+    """Comments and docstrings cite files (`cache/ssd/store.py`, docs/design.md): a move
+    that leaves a citation behind points a reader at nothing."""
+    files = [p for d in ("shadefs", "tests", "tools", "examples") for p in (REPO / d).rglob("*.py")]
+    names = {
+        p.name
+        for d in ("shadefs", "tests", "tools", "docs", "mount", "patches", "examples")
+        for p in (REPO / d).rglob("*")
+    } | {p.name for p in REPO.iterdir()}
+    missing = sorted(
+        f"{path.relative_to(REPO)}: {m.group(1)}"
+        for path in files
+        for m in _CITED.finditer(path.read_text())
+        if not _exists(m.group(1), path, names)
+    )
+    assert not missing, "cited files that are not in the repository:\n  " + "\n  ".join(missing)
+
+
+def _calls_of(tree: ast.AST, module: str, name: str) -> list[int]:
+    """The lines where `tree` calls `module.name(...)`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == module
+    ]
+
+
+def test_every_part_that_keeps_time_takes_a_clock() -> None:
+    """The parts read time only through the clock they were handed (`time.monotonic` as a
+    default), so that their tests move a clock instead of sleeping (docs/design.md §9)."""
+    parts = ("fs", "cache", "prefetch", "readers", "source")
+    calls = sorted(
+        f"{path.relative_to(REPO)}:{line}"
+        for part in parts
+        for path in (PACKAGE / part).rglob("*.py")
+        for line in _calls_of(ast.parse(path.read_text()), "time", "monotonic")
+    )
+    assert not calls, "time.monotonic() called where a clock should be:\n  " + "\n  ".join(calls)
+
+
+def test_no_async_test_sleeps() -> None:
+    """A real sleep inside an async test stops the event loop it runs on: tests move a
+    FakeClock or trio's MockClock instead."""
+    sleeps = sorted(
+        f"{path.name}:{fn.name}:{line}"
+        for path in (REPO / "tests").glob("*.py")
+        for fn in ast.walk(ast.parse(path.read_text()))
+        if isinstance(fn, ast.AsyncFunctionDef)
+        for line in _calls_of(fn, "time", "sleep")
+    )
+    assert not sleeps, "time.sleep in async tests:\n  " + "\n  ".join(sleeps)
+
+
+def test_each_concept_has_one_home() -> None:
+    """A part is a package (no top-level module named after one), a file's version is not
+    the SSD format's, and the SSD tier is a subpackage of the cache."""
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    strays = sorted(
+        m.name for m in PACKAGE.glob("*.py") if any(m.stem.startswith(f"{p}_") for p in parts)
+    )
+    assert not strays, f"top-level modules named after a part: {strays}"
+    defines = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "Signature"
+    }
+    assert defines == {"file_version.py"}
+    assert (PACKAGE / "cache" / "ssd" / "__init__.py").exists()
+    assert not list((PACKAGE / "cache").glob("ssd_*.py"))

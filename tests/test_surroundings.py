@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shadefs.cli.waiting import ANSWER_TIMEOUT
-from tests.conftest import make_tree, require_fuse, shadefs_cmd
+from tests.conftest import make_tree, poll, require_fuse, shadefs_cmd
 
 pytestmark = pytest.mark.mount
 
@@ -31,11 +32,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(shadefs_cmd(*args), capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(what: str, test: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not test():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def wait_for(what: str, test: Callable[[], object], timeout: float = 30.0) -> None:
+    poll(test, what, timeout)
 
 
 def files(n: int, size: int = 5000) -> dict[str, bytes]:
@@ -454,8 +452,8 @@ def test_forged_channel_headers_are_refused_before_buffering(tmp_path: Path, mou
 
 
 def test_a_store_whose_directory_is_deleted_refuses_quietly(tmp_path: Path) -> None:
-    from shadefs.cache.ssd_format import Signature
-    from shadefs.cache.ssd_store import SsdStore
+    from shadefs.cache.ssd.store import SsdStore
+    from shadefs.file_version import Signature
 
     sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)
     with SsdStore(tmp_path / "c", 1 << 30, min_free=0) as store:
@@ -478,7 +476,7 @@ def test_a_store_whose_directory_is_deleted_refuses_quietly(tmp_path: Path) -> N
 def test_fd_budget_caps_other_users_and_never_the_owner() -> None:
     import pyfuse3
 
-    from shadefs.source import FdBudget
+    from shadefs.source.part import FdBudget
 
     fds = FdBudget(80, owner=1000)
     assert (fds.per_user, fds.others) == (10, 40)
@@ -509,9 +507,9 @@ async def test_a_tier_whose_directory_is_deleted_restores_and_evicts_without_dyi
     import trio
 
     from shadefs.cache.policies.lru import LruPolicy
-    from shadefs.cache.ssd_format import Signature
-    from shadefs.cache.ssd_store import SsdStore
-    from shadefs.cache.ssd_tier import SsdTier
+    from shadefs.cache.ssd.store import SsdStore
+    from shadefs.cache.ssd.tier import SsdTier
+    from shadefs.file_version import Signature
 
     sig = Signature(size=5, mtime_ns=1, ctime_ns=1, ino=7)
     with SsdStore(tmp_path / "c", 1 << 20, min_free=0) as store:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from pathlib import Path
 
 import pyfuse3
 import pytest
 
 from shadefs.fs.xattrs import BLOCK
-from tests.conftest import make_tree
+from tests.conftest import FakeClock, make_tree
 from tests.test_fs_api import CTX, lookup_path, make_fs, readdir_names
 
 
@@ -62,7 +61,8 @@ async def test_ls_l_of_a_directory_costs_a_source_call_per_block(
 
 async def test_an_attribute_added_on_the_source_shows_after_revalidate(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {"d/a": b"1", "d/b": b"2"})
-    ops, svc = make_fs(src, revalidate=0.5)
+    clock = FakeClock()
+    ops, svc = make_fs(src, revalidate=0.5, clock=clock)
     d = await lookup_path(ops, "d")
     await readdir_names(ops, d)
     a = svc.namespace.ino_of((src / "d" / "a").lstat())
@@ -73,7 +73,7 @@ async def test_an_attribute_added_on_the_source_shows_after_revalidate(tmp_path:
         pytest.skip(f"no user xattrs on {src}: {exc.strerror}")
     # Within revalidate the listing's answer stands, as its sizes and times do.
     assert await _errno(ops.getxattr(a, b"user.k", CTX)) == errno.ENODATA
-    time.sleep(0.6)
+    clock.advance(0.6)
     assert await ops.getxattr(a, b"user.k", CTX) == b"new"
     await readdir_names(ops, d)  # the refreshed listing learns it too
     assert await ops.getxattr(a, b"user.k", CTX) == b"new"

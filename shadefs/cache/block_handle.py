@@ -4,7 +4,7 @@ read that wait for a signed read (cache/extents.py). State only: `Blocks` acts o
 
 from __future__ import annotations
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["BlockHandle"]
 

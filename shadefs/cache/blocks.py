@@ -42,6 +42,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -52,8 +54,8 @@ from shadefs.cache.block_keys import PIECE_BIT, block_key, block_relpath
 from shadefs.cache.coordinator import Cache
 from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
-from shadefs.cache.ssd_format import Signature, StatLike
-from shadefs.source import Source
+from shadefs.file_version import Signature, StatLike
+from shadefs.source.part import Source
 from shadefs.stats import BlockStats
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class Blocks:
         block_size: int = DEFAULT_BLOCK_SIZE,
         window: int = 64 << 20,
         passthrough_above: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
         self.source = source
@@ -91,7 +94,9 @@ class Blocks:
         self._nursery: trio.Nursery | None = None
         self.ahead_bytes = 0  # read-ahead in flight or staged
         # Random reads' extents (cache/extents.py), within a quarter of the window.
-        self.ranges: Ranges[BlockHandle] = Ranges(self._pread, block_size, self.window // 4, cache)
+        self.ranges: Ranges[BlockHandle] = Ranges(
+            self._pread, block_size, self.window // 4, cache, clock
+        )
         self.hits = self.ssd_loads = self.source_loads = 0
         self.read_ahead = self.revalidated = self.opens = 0
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import pyfuse3
 import trio
@@ -34,15 +34,16 @@ from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.hits import Hits
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.policies import Policy, make_policy
-from shadefs.cache.ssd_format import Signature, StatLike
-from shadefs.cache.ssd_store import SsdStore
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.policies import Owned, Policy, make_policy
+from shadefs.cache.ssd.store import SsdStore
+from shadefs.cache.ssd.tier import SsdTier
+from shadefs.file_version import Signature, StatLike
+from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.jobs import Job
-from shadefs.readers.part import Readers
-from shadefs.source import Source
+from shadefs.readers.part import SETTLE, Readers
+from shadefs.source.part import Source
 from shadefs.stats import CacheStats, Metrics, RamStats
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,20 @@ class Cache(Hits):
         readers: Readers | None = None,
         owns: Callable[[int], bool] | None = None,
         block_size: int = 0,
+        kernel_pages: KernelPages | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        no_open: bool = False,
     ) -> None:
         """`policy`: every tier's (ValueError if unknown); `score_of`: importance for
         `shade`; `owns`: a multi-node job's ownership; `ssd`: an SSD tier's store (restored
         entries get keys from `key_of_ino`); `handle_limit`: what open handles keep alive
         outside the RAM budget (None: the budget); `readers` (fresh if None): who reads
-        what; `block_size`: that of large files' blocks (cache/blocks.py)."""
+        what; `block_size`: that of large files' blocks (cache/blocks.py); `kernel_pages`:
+        which files the kernel may hold pages of (the service's, fresh if None); `clock`:
+        seconds, for the time opens wait on the source; `no_open`: the mount serves with
+        kernel hits (kernel/no_open.py)."""
+        self._clock = clock
+        self.no_open = no_open
         self.source = source
         self.metrics = metrics
         self.capacity = capacity
@@ -97,12 +106,15 @@ class Cache(Hits):
         self.blocked = 0.0  # seconds that opens spent waiting for the source
         self._flights: dict[int, FileFlight] = {}
         self.fetchlog = FetchLog(self.readers.tracker)  # refetches within an epoch
-        self.handles = HandleLedger()
+        self.handles = HandleLedger(kernel_pages)
         self._handle_limit = handle_limit
         self.handle_passthrough = 0  # opens read through because handles held too much
         settings, reads_left = prefetch, self.pending.group_reads_left
+        kernel = self.handles.kernel
         self.prefetcher = (
-            Prefetcher.with_settings(settings, self.fetch_ahead, self.tier_of, reads_left)
+            Prefetcher.with_settings(
+                settings, self.fetch_ahead, self.tier_of, reads_left, clock, kernel, no_open
+            )
             if settings
             else None
         )
@@ -111,15 +123,31 @@ class Cache(Hits):
         if ssd is not None:
             if key_of_ino is None:
                 raise ValueError("an SSD tier needs key_of_ino")
-            self.ssd = SsdTier(ssd, self._make_policy(policy), key_of_ino, block_size=block_size)
+            self.ssd = SsdTier(
+                ssd, self._make_policy(policy), key_of_ino, block_size=block_size, clock=clock
+            )
         self.refresh_limits()
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Start the background tasks of the tiers and of the prefetcher in `nursery`."""
+        """Start the background tasks of the tiers, the prefetcher and the readers' tick."""
+        nursery.start_soon(self._ticking)
         if self.ssd is not None:
             self.ssd.start(nursery)
         if self.prefetcher is not None:
             self.prefetcher.start(nursery)
+
+    async def _ticking(self) -> None:
+        """`tick_readers` every SETTLE seconds, until cancelled."""
+        while True:
+            await trio.sleep(SETTLE)
+            self.tick_readers()
+
+    def tick_readers(self) -> None:
+        """Tell the readers part the hits logged since the last time, then tick it (its
+        universes settle, idle jobs end): the cache logs the hit path's reads, so it is
+        the one to tick the part that counts them."""
+        self.take_hits()
+        self.readers.tick()
 
     def close(self) -> None:
         """Release the SSD store (its directory lock); after the tasks have stopped."""
@@ -228,11 +256,11 @@ class Cache(Hits):
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:
         """A miss's fetch, pinned if `pin`; staged bytes first (a lazy open leaves them)."""
         b = self.prefetcher.take(key, sig := Signature.of(st)) if self.prefetcher else None
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:  # (b: the bytes staged for the file, if any)
             got = await self._fetch(key, path, st) if b is None else self._adopt(key, path, b, sig)
         finally:
-            self.blocked += time.monotonic() - t0
+            self.blocked += self._clock() - t0
         if pin:
             self._pin(key, got)
         return got
@@ -390,6 +418,19 @@ class Cache(Hits):
             for key, (_, disk) in self.ssd.index.items():
                 ssd_policy.inserted(key, disk)
             self.ssd.policy = ssd_policy
+
+    async def reclassify(self, unowned: Callable[[list[int]], Awaitable[list[int] | None]]) -> None:
+        """A multi-node job's ownership changed: each tier's policy, where it tells owned
+        entries from guests (`Owned`), sorts its entries again. `unowned(keys)` names the
+        guests (off the loop; None if the ownership changed meanwhile); the policy in force
+        then takes them (entries admitted meanwhile were sorted on insertion)."""
+        for i in range(len(self._policies())):
+            policy = self._policies()[i]
+            if isinstance(policy, Owned):
+                guests = await unowned(list(policy.sizes))
+                policy = self._policies()[i]
+                if guests is not None and isinstance(policy, Owned):
+                    policy.reclassify(guests)
 
     def begin_epoch(self, epoch: int, job: int | None = None) -> None:
         """A sampler announced epoch `epoch` for job `job` (None: for every job), with a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["Entry"]
 

@@ -53,8 +53,8 @@ from typing import Generic, Protocol, TypeVar
 
 from shadefs.cache.block_keys import block_index, block_key, piece_key
 from shadefs.cache.entry import Entry
-from shadefs.cache.ssd_format import Signature
-from shadefs.source_reads import pread_spread
+from shadefs.file_version import Signature
+from shadefs.source.reads import pread_spread
 
 __all__ = [
     "EXTENT",
@@ -111,11 +111,14 @@ class Ranges(Generic[H]):
         block_size: int,
         limit: int,
         ram: PieceTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pread(handle, n, offset, signed)` -> (bytes, clean): clean is False if a signed
         read found the file changed; an unsigned read is clean when it is whole. `ram`: the
-        RAM tier that keeps pieces under its policy (None: the LRU alone keeps extents)."""
+        RAM tier that keeps pieces under its policy (None: the LRU alone keeps extents).
+        `clock`: seconds, for how often a handle's reads are signed."""
         self._pread = pread
+        self._clock = clock
         self.block_size = block_size
         self.extent = min(EXTENT, block_size)
         self.per_block = -(-block_size // self.extent)
@@ -202,7 +205,7 @@ class Ranges(Generic[H]):
             self._missed(h, i, first, stop)
             lo = base + first * ext
             n = min(base + stop * ext, base + bs, h.size) - lo
-            now = time.monotonic()
+            now = self._clock()
             signed = now - h.checked >= self.check_period
             confirm: list[tuple[int, int, bytes]] = []
             if signed:
@@ -330,7 +333,7 @@ def advise(fd: int, random: bool) -> None:
     """Tell the kernel how a source descriptor is read. The reads that reach the daemon
     were already sized by the mount's own read-ahead; a random reader's would otherwise
     set off the source filesystem's read-ahead as well, which fetches pages nobody reads
-    (measured over the emulator: lmdb through the mount pulled twice what it pulled direct).
+    (an LMDB reader through the mount would pull about twice what it pulls direct).
     Inline: fadvise only sets a flag on the open file, it does no I/O."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_NORMAL)
@@ -343,7 +346,7 @@ def pread_stat(
 ) -> tuple[bytes, os.stat_result | None]:
     """One worker-thread call (blocks and extents): read, then, if `signed`, fstat the same
     descriptor to sign the bytes. `piece`: a random reader's descriptor, whose large reads
-    go in pieces of that size at once (source_reads.py)."""
+    go in pieces of that size at once (source/reads.py)."""
     data = pread_spread(fd, n, off, piece)
     while 0 < len(data) < n:  # short reads of NFS are legal
         more = os.pread(fd, n - len(data), off + len(data))

@@ -16,7 +16,7 @@ lower bound there. A key with a tracker id (every file a job opened or a specula
 stages) is marked in a column over ids with the epoch's stamp (an epoch boundary bumps the
 stamp: nothing is cleared); a note costs a dict lookup and a column read. Other keys (a
 known order's files no job has opened yet) go to a sorted uint64 array plus a small set of
-the latest ones (at most _PENDING), merged into the array when full (DESIGN.md §6: no
+the latest ones (at most _PENDING), merged into the array when full (docs/design.md §6: no
 Python object per file).
 """
 

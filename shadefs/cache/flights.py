@@ -27,12 +27,12 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["FileFlight", "Flight", "fly_many", "flying"]
 
 # The source's read of several (path, size): each file's (bytes, fstat) or FUSE error, and
-# the seconds per file the worker thread spent (source.py's Source.read_files).
+# the seconds per file the worker thread spent (source/part.py's Source.read_files).
 ReadMany = Callable[
     [Sequence[tuple[bytes, int | None]]],
     Awaitable[tuple[list[tuple[bytes, os.stat_result] | pyfuse3.FUSEError], float]],
@@ -40,7 +40,7 @@ ReadMany = Callable[
 
 
 # The source's read of one (path, size) at once, on the calling thread, or None when it would
-# have to wait (source.py's Source.read_now).
+# have to wait (source/part.py's Source.read_now).
 ReadNow = Callable[[bytes, int | None], tuple[bytes, os.stat_result] | None]
 
 

@@ -18,7 +18,7 @@ thread.
 
 from __future__ import annotations
 
-from shadefs.cache.kernel_pages import KernelPages
+from shadefs.kernel.pages import KernelPages
 from shadefs.stats import HandleStats
 
 __all__ = ["HandleLedger"]
@@ -33,14 +33,15 @@ class HandleLedger:
 
     __slots__ = ("_count", "_outside", "held", "handles", "deferred", "unread", "kernel")
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: KernelPages | None = None) -> None:
         self._count: dict[int, int] = {}  # id(bytes) -> handles holding it
         self._outside: dict[int, int] = {}  # id(bytes) -> size, for pinned bytes not in RAM
         self.held = 0
         self.handles = 0
         self.deferred = 0  # opens answered before their fetch (cache/lazy.py)
         self.unread = 0  # of those, released without a read: nothing fetched
-        self.kernel = KernelPages()  # what the kernel may serve itself (deferred opens)
+        # What the kernel may serve itself (deferred opens): the service's one map.
+        self.kernel = kernel if kernel is not None else KernelPages()
 
     def pin(self, data: bytes, resident: bool) -> None:
         """A handle now holds `data`; `resident` says whether the RAM tier holds it too."""

@@ -26,7 +26,7 @@ import numpy as np
 from shadefs.cache.entry import Entry
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_tier import SsdTier
+from shadefs.cache.ssd.tier import SsdTier
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.readers.batch import BATCH_MIN
 from shadefs.readers.jobs import Job
@@ -55,7 +55,6 @@ class Hits:
     def _init_hits(self) -> None:
         self._jobs_of_pids = self.readers.jobs.pids  # (the hit path's: reader pid -> job)
         self._hits: list[tuple[int, int, Job, int]] = []  # `hit`'s log: (key, size, job, id)
-        self.readers.before_tick = self.take_hits
 
     def hit(self, key: int, data: bytes, pid: int, i: int = -1) -> None:
         """A RAM hit of `key` (tracker id `i`, -1: unknown) by reader `pid`, whose resident

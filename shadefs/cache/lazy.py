@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from shadefs.cache.handles import HandleLedger
-from shadefs.cache.ssd_format import StatLike
+from shadefs.file_version import StatLike
 from shadefs.stats import Metrics
 
 __all__ = ["Deferred"]

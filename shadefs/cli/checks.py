@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from shadefs.cache.ssd_owner import CacheUntrusted, check_owner
+from shadefs.cache.ssd.owner import CacheUntrusted, check_owner
 from shadefs.common import EXIT_MOUNTPOINT, EXIT_NOFUSE, EXIT_SOURCE, EXIT_USAGE, QuietError
 from shadefs.options import MountOptions
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAME = b".shadefs"
+from shadefs.common import CONTROL_NAME
+
+NAME = CONTROL_NAME.encode()
 DIR_INODE = 2
 # Control file handles are numbered from here, far above the data path's.
 FH_BASE = 1 << 62

@@ -19,16 +19,16 @@ untouched and poisons the handle of a stream, so that a client retrying a short 
 the error too. Control parses and dispatches only: the daemon's service object, seen
 through control/service.py's ControlService, does the work.
 
-Sessions (under kernel hits, fs/kernel_hits.py): the kernel then opens every regular file
+Sessions (under kernel hits, kernel/no_open.py): the kernel then opens every regular file
 itself and never says when it closes one, and no `direct_io` can be asked for. So each
 lookup of a control file makes a node of its own (numbered from SESSION_BASE, entry and
 attribute timeouts 0, so that every path walk looks up anew): the node is the open file,
 made with the looking-up process's pid and uid, and ended when the kernel forgets it. Its
 reported size bounds what the kernel reads: the content rendered at the lookup, or what a
 response holds after a request was written. A file's pages then never outlive its one open.
-No close is ever seen, so a `plan` written since is installed before the next read the
-daemon serves or the next lookup of a control file (`install_plans`), and again if more
-is written.
+No close is ever seen, so a `plan` written since is installed once its writer has been
+quiet for PLAN_QUIET seconds (`run`), or sooner, before the next read the daemon serves or
+the next lookup of a control file (`install_plans`), and again if more is written.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import stat
 from collections.abc import Callable, Sequence
 
 import pyfuse3
+import trio
 from pyfuse3 import InodeT
 
 from shadefs.control import commands
@@ -65,10 +66,14 @@ from shadefs.control.entries import (
 )
 from shadefs.control.service import ControlService, Rejected
 from shadefs.ops.stats_text import render_text
+from shadefs.prefetch.plans import writer_name
 from shadefs.sampling import wire
 from shadefs.stats import Metrics, Stats
 
 log = logging.getLogger(__name__)
+
+#: Under sessions, a plan is installed once no plan was written for this long (`Control.run`).
+PLAN_QUIET = 0.2
 
 
 class Control:
@@ -101,6 +106,7 @@ class Control:
         self.sessions = sessions  # a node per lookup (module doc, "Sessions")
         self._next_session = SESSION_BASE
         self.pending_plans: set[int] = set()  # sessions whose plan grew since installed
+        self._plan_written = trio.Event()  # (set by each write to a plan session: `run`)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -157,8 +163,24 @@ class Control:
         self.check_access(ctx)
         ino = self._next_session
         self._next_session += 1
-        self._handles[ino] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
+        self._handles[ino] = Handle(spec, self._content(spec), writer_name(ctx.pid), ctx.pid)
         return ino
+
+    async def run(self) -> None:
+        """Under sessions: install the plans written to, once no plan was written for
+        PLAN_QUIET seconds. A plan arrives in many WRITEs, and each install parses the whole
+        plan again, so not at each; a writer that pauses longer has its plan installed as
+        far as written, then again whole."""
+        while True:
+            await self._plan_written.wait()
+            while True:
+                self._plan_written = trio.Event()
+                with trio.move_on_after(PLAN_QUIET):
+                    await self._plan_written.wait()
+                    continue  # written again: wait for quiet anew
+                break
+            if self.pending_plans:
+                self.install_plans()
 
     def install_plans(self) -> None:
         """Install the plans written to sessions since they were last installed (module
@@ -208,7 +230,7 @@ class Control:
         fh = self._next_fh
         self._next_fh += 1
         # One plan per writing process: a job that writes a new plan replaces its old one.
-        self._handles[fh] = Handle(spec, self._content(spec), f"plan:pid={ctx.pid}", ctx.pid)
+        self._handles[fh] = Handle(spec, self._content(spec), writer_name(ctx.pid), ctx.pid)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     def _content(self, spec: Spec) -> bytes | bytearray:
@@ -264,6 +286,7 @@ class Control:
                     self.last_result = result
                 if self.sessions and handle.spec is PLAN:
                     self.pending_plans.add(fh)
+                    self._plan_written.set()
             else:
                 raise pyfuse3.FUSEError(errno.EBADF)
         except (CommandError, Rejected, wire.WireError) as exc:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from shadefs.torch import ShadeSampler, find_mount
+from shadefs.torch.client import CONTROL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def evaluate(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> float:
 def mount_stats(mountpoint: str | None) -> dict[str, Any] | None:
     if mountpoint is None:
         return None
-    with open(os.path.join(mountpoint, ".shadefs", "stats.json"), "rb") as f:
+    with open(os.path.join(mountpoint, CONTROL_DIR, "stats.json"), "rb") as f:
         stats: dict[str, Any] = json.loads(f.read())
     return stats
 

@@ -1,15 +1,15 @@
 """Opens of missed files answered before their fetch: the first read that arrives fetches.
 
 Files evicted from RAM are often still in the kernel's page cache of the mount, and an open
-answered with keep_cache lets the kernel serve every read of them from its own pages. A
-miss that fetched the whole file at open threw that fetch away (issue 23: pass 2 pulled
-14 MiB while the daemon served 0). `Operations.open` therefore asks the cache for a
+answered with keep_cache lets the kernel serve every read of them from its own pages: a
+fetch of the whole file at open would go unread, source bytes for nothing. `Operations.open`
+therefore asks the cache for a
 deferred miss (`Cache.open_entry(..., lazy=True)`, cache/lazy.py) when the kernel may hold
 pages of the inode, and the handle's first read that reaches the daemon fetches.
 
 Which opens are deferred: those of inodes the kernel may hold pages of, that is, opened
 since the kernel last forgot them (a forget drops the kernel's inode with its pages):
-cache/kernel_pages.py keeps that without a per-file object. A wrong guess only changes
+kernel/pages.py keeps that without a per-file object. A wrong guess only changes
 which path an open takes (a deferred miss, or the fetch at open as before), never what it
 serves.
 
@@ -41,11 +41,11 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from shadefs.cache.kernel_pages import KernelPages
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.revalidate import MOVED
+from shadefs.kernel.pages import KernelPages
 
 __all__ = ["Deferrals"]
 

@@ -24,12 +24,12 @@ import stat
 import numpy as np
 import pyfuse3
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs import records
 from shadefs.fs.snapshots import InodeTable, Snapshot
 
 ROOT_INODE = pyfuse3.ROOT_INODE
-# Inodes 2..INO_OFFSET-1 belong to the control directory (see control.py).
+# Inodes 2..INO_OFFSET-1 belong to the control directory (see control/entries.py).
 INO_OFFSET = 16
 _FOREIGN_BASE = 1 << 62
 # Fresh numbers (see `claim`): above any foreign one, below 2**63 (the caches keep keys as

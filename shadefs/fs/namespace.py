@@ -19,7 +19,7 @@ the names up again (docs/developer-notes.md, "Identity").
 
 When the source is not answering, revalidation falls back to what it has: cached files keep
 being served and `ls` works on the last snapshot. The source never follows a symlink
-(source.py): a path through a directory swapped for a symlink fails with ELOOP, which counts
+(source/part.py): a path through a directory swapped for a symlink fails with ELOOP, which counts
 as "gone" like ENOENT, and `resolve` answers it missing.
 """
 
@@ -30,14 +30,14 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
 from shadefs.control.entries import NAME
+from shadefs.file_version import Signature
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.opened import OpenRecords
@@ -46,7 +46,7 @@ from shadefs.fs.relisting import Relisting
 from shadefs.fs.resolving import Resolving
 from shadefs.fs.revalidate import GONE, Revalidation
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
-from shadefs.source import Source
+from shadefs.source.part import Source
 from shadefs.stats import NamespaceStats
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,15 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
-        self, source: Source, *, timeout: float = 3600.0, revalidate: float = 3600.0
+        self,
+        source: Source,
+        *,
+        timeout: float = 3600.0,
+        revalidate: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: seconds, for the snapshots' ages (tests hand a clock they move)."""
+        self.clock = clock
         self.source = source
         self.timeout = timeout
         self.revalidate = revalidate
@@ -76,7 +83,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         self.root_ino = root_st.st_ino
         _, rows, _ = scan_rows([(b"", root_st)])
         # Slot 0: the root's own entry (its path is b"").
-        root = Snapshot(0, b"", [b""], rows, np.array([ROOT_INODE], np.uint64), time.monotonic())
+        root = Snapshot(0, b"", [b""], rows, np.array([ROOT_INODE], np.uint64), self.clock())
         root.lookups[0] = 1
         root.refs = 1
         self._snaps: list[Snapshot | None] = [root]
@@ -133,7 +140,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         if slot is not None:
             snap = self._snaps[slot]
             assert snap is not None
-            if time.monotonic() - snap.stamp >= self.revalidate:
+            if self.clock() - snap.stamp >= self.revalidate:
                 snap = await self.listing(parent)  # aged: a new name may be there now
             i = snap.find(name)
             if i >= 0:
@@ -155,7 +162,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
             raise self.stale(parent)
         ino = self.ino_of(st)
         _, rows, _ = scan_rows([(name, st)])
-        snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), time.monotonic())
+        snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), self.clock())
         self._place(snap)
         ino = self.remember(ino, snap, 0)
         self._maybe_free(snap)  # unless the row became the node
@@ -184,7 +191,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         if stat.S_IFMT(ost.st_mode) != stat.S_IFMT(nst.st_mode):
             # Reused by an entry of another type (a file or directory swapped for a
             # symlink): the node describes something gone.
-            self._move(ino, old, oi, snap, i, time.monotonic())
+            self._move(ino, old, oi, snap, i, self.clock())
             self._drop_listing(ino)
         elif Signature.of(ost) == Signature.of(nst):
             moved_dir = stat.S_ISDIR(nst.st_mode) and old.child_path(oi) != snap.child_path(i)
@@ -194,7 +201,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         else:
             # Another version of a directory or symlink (a regular file's has a number of its
             # own: `claim`): the kernel was just told its new attributes.
-            self._move(ino, old, oi, snap, i, time.monotonic())
+            self._move(ino, old, oi, snap, i, self.clock())
             self._drop_listing(ino)
         return ino
 
@@ -310,7 +317,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         if slot is not None:
             old = self._snaps[slot]
             assert old is not None
-            if time.monotonic() - old.stamp < self.revalidate or not self.source.healthy:
+            if self.clock() - old.stamp < self.revalidate or not self.source.healthy:
                 return old
             try:
                 return await self._list(ino, quiet)
@@ -335,7 +342,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
             if slot is not None:
                 snap = self._snaps[slot]
                 assert snap is not None
-                if time.monotonic() - snap.stamp < self.revalidate:
+                if self.clock() - snap.stamp < self.revalidate:
                     return snap
         dsnap, di = self.locate(ino)
         if not stat.S_ISDIR(int(dsnap.rows["st_mode"][di])):
@@ -354,7 +361,7 @@ class Namespace(OpenRecords, InodeNumbers, Resolving, Relisting, Revalidation):
         finally:
             del self._listing_flights[ino]
             flight[0].set()
-        snap = Snapshot(ino, path, names, rows, self._inos(rows, devs), time.monotonic())
+        snap = Snapshot(ino, path, names, rows, self._inos(rows, devs), self.clock())
         # The kernel may have forgotten the directory while we listed it.
         if ino in self.table:
             self._adopt(snap)

@@ -3,7 +3,7 @@
 Kernel request -> here -> namespace (which file) -> cache (where its bytes are) -> source
 (only on a miss). This module makes no policy decision and does no blocking I/O itself.
 
-Speed rules (DESIGN.md §2.5): entry and attribute timeouts are long (the tree is
+Speed rules (docs/design.md §2.5): entry and attribute timeouts are long (the tree is
 read-only), readdir answers with attributes (pyfuse3 always uses readdirplus), a resident
 file is opened with keep_cache so the kernel page cache serves repeated reads without
 asking us, and a cache hit never leaves the trio thread. `flush` is left unimplemented:
@@ -19,7 +19,6 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -31,21 +30,22 @@ from shadefs.cache.coordinator import Cache
 from shadefs.cache.entry import Entry
 from shadefs.cache.extents import advise
 from shadefs.cache.lazy import Deferred
-from shadefs.cache.ssd_format import Signature, StatLike
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
+from shadefs.file_version import Signature, StatLike
 from shadefs.fs.deferred import Deferrals
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.kernel import PUSH_MAX, entries_forgotten, push_pages
-from shadefs.fs.kernel_hits import KERNEL_PID
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
 from shadefs.fs.revalidate import MOVED
 from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
-from shadefs.source import OPENER, Source
+from shadefs.kernel.no_open import KERNEL_PID
+from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
+from shadefs.kernel.pages import BulkDrops, KernelPages
+from shadefs.source.part import OPENER, Source
 from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ log = logging.getLogger(__name__)
 # Directory rows converted to Python values per step of readdir.
 _READDIR_CHUNK = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-# Reopens push their bytes to the kernel too (`push_pages`) for this many handles after a
-# handle of resident bytes had to be read within this many handles of the previous such
-# read: two reads close together say the kernel dropped pages in bulk (memory pressure, a
-# page-cache drop between epochs) and would send READs for the reopens. A read on its own
-# (one file's pages aged out, as a page-out daemon does now and then) pushes nothing.
-_REPUSH = 64
 # Under kernel hits: files whose handle is kept between their READs (`_read_node`), at most.
 _PARTIAL = 64
 # Under kernel hits, a READ that failed with EIO fails again at once for this long: the
@@ -67,7 +61,7 @@ _PARTIAL = 64
 # source's timeout a second time.
 _RETRY_WINDOW = 1.0
 # A READ that answers ESTALE first waits this long at most for the kernel to drop the
-# node's dentry (fs/kernel.py, `entries_forgotten`).
+# node's dentry (kernel/notify.py, `entries_forgotten`).
 _FORGET_WAIT = 1.0
 
 
@@ -86,15 +80,18 @@ class Operations(ReadOnly):
         metrics: Metrics,
         source: Source,
         blocks: Blocks | None = None,
+        *,
+        kernel_pages: KernelPages,
         kernel_hits: bool = False,
     ) -> None:
         super().__init__()
-        # FUSE no-open mode (fs/kernel_hits.py): every open answers ENOSYS, and a read's
+        # FUSE no-open mode (kernel/no_open.py): every open answers ENOSYS, and a read's
         # `fh` is its inode.
         self.kernel_hits = metrics.no_open = kernel_hits
         self.blocks = blocks
         self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
+        self._clock = ns.clock  # (the namespace's: the ages of its checks)
         self.cache = cache
         self.control = control
         self.metrics = metrics
@@ -110,15 +107,15 @@ class Operations(ReadOnly):
         self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
         self._failed: dict[int, float] = {}  # kernel hits: inode -> when a READ of it failed
         # Misses fetched at their first read, where the kernel may hold the pages.
-        self.deferrals = Deferrals(ns, cache.unpin, cache.handles.kernel)
+        # (`kernel_pages`: the service's one map, which the cache's deferred opens feed)
+        self.deferrals = Deferrals(ns, cache.unpin, kernel_pages)
         # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin
         self._settle = cache.take_hits  # before every handler but a hit's (fs/guard.py)
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
-        self._read_fh = -(1 << 62)  # the last handle of resident bytes that was read
-        self._push_fh = -(1 << 62)  # the last such read within _REPUSH of the one before
+        self._drops = BulkDrops()  # whether reopens push their bytes (kernel/pages.py)
 
     # --- namespace --------------------------------------------------------------------
 
@@ -237,7 +234,7 @@ class Operations(ReadOnly):
         # cache miss on a warm open, where the kernel and the readers ran in between.)
         data = rec[3]
         cache, ns = self.cache, self.ns
-        if time.monotonic() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
+        if self._clock() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
             return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
@@ -246,7 +243,7 @@ class Operations(ReadOnly):
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
         self._mem[fh] = data  # unpinned at release; a memoryview from its first read
-        if fh - self._push_fh <= _REPUSH and push_pages(inode, fh, data, self._inode_of):
+        if self._drops.push(fh) and push_pages(inode, fh, data, self._inode_of):
             self.metrics.bytes_served += len(data)
         # One FileInfo for every hit: pyfuse3 copies its fields into the reply as the
         # handler returns, before any other request runs (no allocation per open).
@@ -258,13 +255,13 @@ class Operations(ReadOnly):
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo:
         if self.kernel_hits:
-            # No-open mode from here on (fs/kernel_hits.py): the kernel answers this open
+            # No-open mode from here on (kernel/no_open.py): the kernel answers this open
             # itself, and every later one without asking. What an open would do here, its
             # first read does (`_read_node`).
             raise pyfuse3.FUSEError(errno.ENOSYS)
         if Control.owns(inode):
             return self.control.open(inode, flags, ctx)
-        # Source descriptors this open takes count against the opener (source.py).
+        # Source descriptors this open takes count against the opener (source/part.py).
         token = OPENER.set(ctx.uid)
         try:
             return await self._open(inode, flags, ctx.pid)
@@ -279,7 +276,7 @@ class Operations(ReadOnly):
         changes = self.ns.changes  # whether a node changed while this open awaited
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
-        due = time.monotonic() - checked >= self.ns.revalidate
+        due = self._clock() - checked >= self.ns.revalidate
         if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
             raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
@@ -331,7 +328,7 @@ class Operations(ReadOnly):
         if resident is not None and resident.data is entry.data and changes == self.ns.changes:
             self._verify(inode, resident, sig, path, checked)
         # (Not while answering a no-open read: the kernel holds the pages it reads locked.)
-        push = not self.kernel_hits and (not seen or fh - self._push_fh <= _REPUSH)
+        push = not self.kernel_hits and (not seen or self._drops.push(fh))
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
         # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
@@ -408,7 +405,7 @@ class Operations(ReadOnly):
         return await self._read(fh, off, size)
 
     async def _read_node(self, inode: InodeT, off: int, size: int) -> bytes:
-        """A READ under no-open, which names the inode (fs/kernel_hits.py): the kernel lacks
+        """A READ under no-open, which names the inode (kernel/no_open.py): the kernel lacks
         these pages. A resident file whose version an earlier read verified (the record the
         hit path reads) is served at once; anything else is opened as an open would be,
         read, and let go. A read at offset 0 counts as the file's open: the kernel serves
@@ -422,7 +419,7 @@ class Operations(ReadOnly):
         if rec is not None:
             data = rec[3]
             cache = self.cache
-            if time.monotonic() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
+            if self._clock() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
                 if not off:
                     cache.hit(inode, data, KERNEL_PID, rec[2])
                     self._unpin(data)  # (`hit` pins for a handle; this read holds none)
@@ -438,7 +435,7 @@ class Operations(ReadOnly):
         got = self._partial.get(inode)
         if got is None:
             failed = self._failed.get(inode)
-            if failed is not None and time.monotonic() - failed < _RETRY_WINDOW:
+            if failed is not None and self._clock() - failed < _RETRY_WINDOW:
                 raise pyfuse3.FUSEError(errno.EIO)  # (the kernel's retry of a failed READ)
             try:
                 fh = (await self._open(inode, os.O_RDONLY, KERNEL_PID)).fh
@@ -468,7 +465,7 @@ class Operations(ReadOnly):
         return chunk
 
     def _failed_read(self, inode: int) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if len(self._failed) >= _PARTIAL:
             self._failed = {i: t for i, t in self._failed.items() if now - t < _RETRY_WINDOW}
         self._failed[inode] = now
@@ -487,9 +484,7 @@ class Operations(ReadOnly):
             if type(mv) is bytes:  # its first read: the kernel lacked the pages
                 mv = self._mem[fh] = memoryview(mv)
                 if len(mv) <= PUSH_MAX:  # (a larger file is read whatever the kernel keeps)
-                    if fh - self._read_fh <= _REPUSH:
-                        self._push_fh = fh
-                    self._read_fh = fh
+                    self._drops.read(fh)
             # A slice of the resident bytes, not a copy: pyfuse3 takes any buffer.
             chunk = cast(bytes, mv[off : off + size])
         elif fh in self._fds:

@@ -13,6 +13,10 @@ answered from the listing (a quiet one: a name it lacks is still asked of the so
 source): listing it would keep its names for `revalidate`, a change of what it answers.
 A quiet listing that finds the directory moved leaves the kernel's entries alone
 (`Namespace._list`): the kernel's own lookups find that out, and retry once.
+
+The readers part asks for the listing of a file's directory too (`listing_of_file`): a job
+that opens files by path never lists them, and its universe is the directories it reads
+(readers/tracker.py). Such a directory is listed quietly, once, by the same task.
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ class Relisting:
     async def listing(self, ino: int, *, quiet: bool = False) -> Snapshot:
         raise NotImplementedError
 
+    def locate(self, ino: int) -> tuple[Snapshot, int]:
+        raise NotImplementedError
+
     def _init_relisting(self) -> None:
-        self._relist: dict[int, None] = {}  # directories to list, in the order asked
+        # Directories to list, in the order asked: whether their listing was lost (else the
+        # readers part asked).
+        self._relist: dict[int, bool] = {}
         # Directories whose listing went (with their inode, or moved): only these are listed
         # again. One never listed keeps its lookups by name, each asked of the source.
         self._lost: set[int] = set()
@@ -53,8 +62,22 @@ class Relisting:
         """A name of directory `ino` was looked up without a listing: list it soon if it
         had one."""
         if ino in self._lost and ino not in self._relist:
-            self._relist[ino] = None
+            self._relist[ino] = True
             self._relist_wake.set()
+
+    def listing_of_file(self, ino: int) -> Snapshot | None:
+        """The listing of the directory holding file `ino`, if it was listed whole; else
+        None, and the directory is listed in the background so that a later call finds it."""
+        try:
+            snap, _ = self.locate(ino)
+        except pyfuse3.FUSEError:
+            return None
+        if self.listings.get(snap.dirino) == snap.slot:
+            return snap
+        if snap.dirino not in self._relist:
+            self._relist[snap.dirino] = False
+            self._relist_wake.set()
+        return None
 
     async def relist(self) -> None:
         """List the directories asked for, one at a time; runs until cancelled (unmount)."""
@@ -67,7 +90,7 @@ class Relisting:
                     # (Forgotten meanwhile: nothing to list. Listed meanwhile: done.)
                     if ino in self.table and ino not in self.listings:
                         await self.listing(ino, quiet=True)
-                        self.relisted += 1
+                        self.relisted += self._relist[ino]
                 except pyfuse3.FUSEError as exc:
                     log.debug("listing directory %d again failed: errno %d", ino, exc.errno)
                 finally:

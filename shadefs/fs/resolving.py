@@ -3,8 +3,7 @@ sampler's file list and the residency queries (mixed into the namespace)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyfuse3
@@ -14,7 +13,7 @@ from shadefs.fs import records
 from shadefs.fs.records import Resolved
 from shadefs.fs.revalidate import GONE
 from shadefs.fs.snapshots import Snapshot
-from shadefs.source import Source
+from shadefs.source.part import Source
 
 
 class Resolving:
@@ -22,6 +21,7 @@ class Resolving:
 
     source: Source
     revalidate: float
+    clock: Callable[[], float]
     listings: dict[int, int]
     _snaps: list[Snapshot | None]
 
@@ -62,7 +62,7 @@ class Resolving:
 
     def _fresh_listings(self) -> dict[bytes, Snapshot]:
         """The current snapshots younger than `revalidate`, by directory path."""
-        now = time.monotonic()
+        now = self.clock()
         out = {}
         for slot in self.listings.values():
             snap = self._snaps[slot]

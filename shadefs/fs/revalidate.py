@@ -22,15 +22,14 @@ import logging
 import math
 import os
 import stat
-import time
 from collections.abc import Callable
 
 import pyfuse3
 
-from shadefs.cache.ssd_format import Signature
-from shadefs.fs.kernel import forget_entry
+from shadefs.file_version import Signature
 from shadefs.fs.snapshots import InodeTable, Snapshot
-from shadefs.source import Source
+from shadefs.kernel.notify import forget_entry
+from shadefs.source.part import Source
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,7 @@ class Revalidation:
     source: Source
     revalidate: float
     revalidations: int
+    clock: Callable[[], float]
     changed_files: int
     table: InodeTable
     listings: dict[int, int]
@@ -66,7 +66,7 @@ class Revalidation:
         servable), unless `force`."""
         snap, i = self.locate(ino)
         old = snap.stat(i)
-        now = time.monotonic()
+        now = self.clock()
         if not force and (now - snap.checked[i] < self.revalidate or not self.source.healthy):
             return False
         path = snap.child_path(i)

@@ -1,6 +1,6 @@
 """Compact per-file state for the namespace: directory snapshots and the inode table.
 
-A million-file tree must not cost a Python object per file (DESIGN.md §6), so:
+A million-file tree must not cost a Python object per file (docs/design.md §6), so:
 
 - a `Snapshot` is one directory's listing: its names in one bytes buffer with an offset
   array, the lstat fields the mount serves in a numpy structured array (84 B a row), the
@@ -126,7 +126,7 @@ class Snapshot:
     :path: the directory's path relative to the source root
     :rows: STAT_DTYPE[n]; :ino: the FUSE inode number of each row (uint64[n])
     :lookups: the kernel's references to each row's inode (uint32[n])
-    :checked: time.monotonic() of each row's last signature check (float64[n])
+    :checked: the namespace's clock at each row's last signature check (float64[n])
     :xattrs: whether each row has extended attributes, once asked (fs/xattrs.py)
     :refs: how many inode-table entries point into this snapshot
     :slot: its index in the namespace's snapshot list

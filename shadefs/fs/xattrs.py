@@ -13,13 +13,12 @@ Entries that do have attributes, and stale or unknown ones, go to the source as 
 from __future__ import annotations
 
 import errno
-import time
 
 import numpy as np
 import pyfuse3
 
 from shadefs.fs.namespace import Namespace
-from shadefs.source import Source
+from shadefs.source.part import Source
 
 BLOCK = 256
 _UNKNOWN, _NONE = -1, 0
@@ -45,7 +44,7 @@ class Xattrs:
     async def _none(self, ino: int) -> bool:
         """Whether `ino` is known to have no attributes (learning its block if need be)."""
         snap, i = self.ns.locate(ino)
-        if snap.dirino == 0 or time.monotonic() - snap.stamp >= self.ns.revalidate:
+        if snap.dirino == 0 or self.ns.clock() - snap.stamp >= self.ns.revalidate:
             return False  # the root's own entry, or a listing due for a refresh
         flags = snap.xattrs
         if flags is None:

@@ -49,7 +49,7 @@ from typing import Protocol
 from shadefs.common import EXIT_OK, EXIT_USAGE, QuietError, format_size
 from shadefs.ops import residency_check
 from shadefs.ops.residency_check import MAX_LISTED
-from shadefs.source_paths import Resolver
+from shadefs.source.paths import Resolver
 from shadefs.torch.client import CONTROL_DIR, ControlClient
 
 log = logging.getLogger(__name__)

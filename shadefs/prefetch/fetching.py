@@ -2,7 +2,7 @@
 it is told of, and the mount's prefetch settings.
 
 The cache owns the prefetcher (cache/coordinator.py) and hands it callables of these types;
-the SSD tier reads its staged entries through the same `FetchAhead` (cache/ssd_tier.py). So
+the SSD tier reads its staged entries through the same `FetchAhead` (cache/ssd/tier.py). So
 neither side imports the other's module for them.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 
 __all__ = ["RAM", "SSD", "FetchAhead", "Got", "Item", "Of", "PrefetchSettings"]
 

@@ -12,12 +12,33 @@ tolerated. The prefetcher (prefetch/prefetcher.py) fetches ahead of the cursor; 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "ctl_name", "order_name", "speculative_name", "writer_name"]
+
+
+# Every plan's name is made here: they are what stats.json and `drop` show and take.
+def order_name(seed: int, group: str, world_size: int, rank: int) -> str:
+    """A rank's share of a known order (a sweep group's members share one)."""
+    return f"order:{f'group={group}' if group else f'seed={seed}'}:world={world_size}:rank={rank}"
+
+
+def ctl_name(n: int) -> str:
+    """The `n`th plan a `prefetch` command made."""
+    return f"ctl:{n}"
+
+
+def writer_name(pid: int) -> str:
+    """The plan process `pid` writes to `.shadefs/plan` (each write replaces its last)."""
+    return f"plan:pid={pid}"
+
+
+def speculative_name(owner: str) -> str:
+    """A speculative plan over the unread files of job `owner`."""
+    return f"speculate:{owner}"
+
 
 # The read rate is re-estimated every this many reads.
 _RATE_EVERY = 16
@@ -32,8 +53,15 @@ class Plan:
     """A known future read order: keys, the paths to fetch them from, their sizes."""
 
     def __init__(
-        self, name: str, keys: np.ndarray, paths: Sequence[bytes], sizes: np.ndarray
+        self,
+        name: str,
+        keys: np.ndarray,
+        paths: Sequence[bytes],
+        sizes: np.ndarray,
+        now: float = 0.0,
     ) -> None:
+        """`now`: the time of its making, on the clock of the reads it will observe (the
+        prefetcher stamps a plan it installs with its own: `stamp`)."""
         if not len(keys) == len(paths) == len(sizes):
             raise ValueError("a plan needs one path and one size per key")
         self.name = name
@@ -48,12 +76,15 @@ class Plan:
         self._sorted = self.keys[order]
         self._positions = order.astype(np.int64)  # ascending within each key (stable sort)
         self._consumed = np.zeros(len(self.keys), dtype=bool)
-        now = time.monotonic()
+        self.stamp(now)
+        self.rate = _DEFAULT_RATE
+        self.reads = 0
+
+    def stamp(self, now: float) -> None:
+        """Start the plan at `now`: its age, and its reader's pace, count from there."""
         self.created = now
         self.last_progress = now
         self._rate_since = now
-        self.rate = _DEFAULT_RATE
-        self.reads = 0
 
     def __len__(self) -> int:
         return len(self.keys)

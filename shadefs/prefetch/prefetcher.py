@@ -39,7 +39,9 @@ plan ends when its reader reaches the end, is replaced, or is abandoned (no prog
 `abandon_after` s): its staged leftovers are dropped (`wasted`), and so is what lands for
 it later (`unused`). The cache hands it `fetch_ahead` (a fetch that shares single flight
 with readers and admits nothing; an SSD tier's entries are read from there) and `tier_of`
-(RAM: no staging; SSD: staged, up to 16 per batch whatever the source's pace).
+(RAM: no staging; SSD: staged, up to 16 per batch whatever the source's pace), and
+`kernel_serves`: a planned file whose reads the kernel's own pages will serve is left to
+them (`kernel_held`): staged, it would be fetched and never read.
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyfuse3
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
+from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import RAM, SSD, FetchAhead, Item, Of, PrefetchSettings
 from shadefs.prefetch.holds import Holds
 from shadefs.prefetch.plans import Plan
@@ -75,7 +78,7 @@ _BATCH_SECONDS = 0.002
 _BATCH_FILES = 16
 _BATCH_BYTES = 4 << 20
 _COUNTERS = ("fetched", "fetched_bytes", "served", "wasted", "errors", "skipped", "plans_done",
-             "plans_abandoned", "kept", "late", "unused")  # fmt: skip
+             "plans_abandoned", "kept", "late", "unused", "kernel_held")  # fmt: skip
 
 
 class Prefetcher:
@@ -83,9 +86,24 @@ class Prefetcher:
 
     @classmethod
     def with_settings(
-        cls, settings: PrefetchSettings, fetch_ahead: FetchAhead, tier_of: Of, reads_left: Of
+        cls,
+        settings: PrefetchSettings,
+        fetch_ahead: FetchAhead,
+        tier_of: Of,
+        reads_left: Of,
+        clock: Callable[[], float] = time.monotonic,
+        kernel: KernelPages | None = None,
+        no_open: bool = False,
     ) -> Prefetcher:
-        return cls(fetch_ahead, tier_of, reads_left, **dataclasses.asdict(settings))
+        return cls(
+            fetch_ahead,
+            tier_of,
+            reads_left,
+            clock=clock,
+            kernel=kernel,
+            no_open=no_open,
+            **dataclasses.asdict(settings),
+        )
 
     def __init__(
         self,
@@ -96,7 +114,17 @@ class Prefetcher:
         window: int,
         max_workers: int = 16,
         abandon_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        kernel: KernelPages | None = None,
+        no_open: bool = False,
     ) -> None:
+        """`clock`: seconds, for the plans' pace and idleness and the fetches' latency.
+        `kernel`: which files the kernel may hold pages of (`_kernel_serves`); `no_open`:
+        the mount serves with kernel hits (kernel/no_open.py)."""
+        self._clock = clock
+        self._kernel = kernel
+        self._no_open = no_open
+        self._trusted = kernel.trusted if kernel is not None else False
         self._fetch_ahead = fetch_ahead
         self._tier_of = tier_of
         self._reads_left = reads_left  # a key's reads to come while a sweep group reads
@@ -119,6 +147,7 @@ class Prefetcher:
         self.fetched = self.fetched_bytes = self.served = self.wasted = 0  # counters
         self.errors = self.skipped = self.plans_done = self.plans_abandoned = self.kept = 0
         self.late = self.unused = 0  # served from a flight; landed unread by any plan
+        self.kernel_held = 0  # planned files left to the kernel's pages
         self._joined: set[int] = set()  # keys in flight whose reader waits for the bytes
 
     # --- plans --------------------------------------------------------------------------
@@ -128,6 +157,7 @@ class Prefetcher:
         if old is not None:
             log.debug("plan %s replaced", plan.name)
         self.plans[plan.name] = plan
+        plan.stamp(self._clock())
         if len(plan):
             plan.span = int(self.window // max(1.0, float(plan.sizes.mean())))
         if self.staged or self._inflight:
@@ -150,7 +180,7 @@ class Prefetcher:
         """Called for every open of a regular file (the readers' progress). A wake per read
         ran a round per open, each fetching the one file whose room the read freed: only a
         new pace that allows more calls wakes the scheduler (module doc)."""
-        now = time.monotonic()
+        now = self._clock()
         paced = False
         for plan in self.plans.values():
             if plan.observe(key, now) and plan.paced:
@@ -226,7 +256,7 @@ class Prefetcher:
             self.staged[key] = (data, sig)
             self.staged_bytes += len(data)
             self.kept += 1
-        self.holds.hold(key, reads, time.monotonic())
+        self.holds.hold(key, reads, self._clock())
         return True
 
     def _wanted_again(self, key: int, size: int) -> bool:
@@ -297,8 +327,31 @@ class Prefetcher:
                     continue
                 tier = tier_of(key)
                 if tier != RAM:
+                    if self._trusted and self._kernel_serves(key, tier):
+                        self.kernel_held += 1
+                        continue
                     return plan, pos, key, size, tier
         return None
+
+    def _kernel_serves(self, key: int, tier: int) -> bool:
+        """Whether the kernel's own pages will serve the reads of file `key` (in `tier`),
+        while most files it was thought to hold turned out held (`_trusted`): one it may
+        hold. With opens, not a file on the SSD tier: its open reads the entry whatever
+        the kernel holds, and staging it spares the reader that read."""
+        kernel = self._kernel
+        return kernel is not None and kernel.holds(key) and (self._no_open or tier != SSD)
+
+    def _trust(self) -> None:
+        """Take the kernel pages' trust anew for this round. Once it is lost, the plans'
+        frontiers go back to their readers: the files left to the kernel are fetched."""
+        kernel = self._kernel
+        if kernel is None:
+            return
+        trusted = kernel.trusted
+        if self._trusted and not trusted:
+            for plan in self.plans.values():
+                plan.frontier = plan.cursor
+        self._trusted = trusted
 
     def start(self, nursery: trio.Nursery) -> None:
         """Run the scheduler in `nursery` until it is cancelled (unmount)."""
@@ -312,6 +365,7 @@ class Prefetcher:
                     await self._wake.wait()
                 self._wake = trio.Event()
                 self._held_back = False
+                self._trust()
                 self._expire()
                 while self._calls < self.target_workers():
                     batch, origins = self._next_batch()
@@ -341,7 +395,7 @@ class Prefetcher:
 
     async def _fetch(self, batch: Sequence[Item], origins: Sequence[_Origin]) -> None:
         """One fetch call: `batch`'s files read in one worker thread, then staged."""
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:
             got, seconds = await self._fetch_ahead(batch)
         except pyfuse3.FUSEError as exc:
@@ -356,7 +410,7 @@ class Prefetcher:
             self._wake.set()
             joined = self._joined.intersection([key for key, _, _ in batch])
             self._joined -= joined
-        self.latency = (1 - _EWMA) * self.latency + _EWMA * (time.monotonic() - t0)
+        self.latency = (1 - _EWMA) * self.latency + _EWMA * (self._clock() - t0)
         if seconds > 0:
             self.file_seconds = (1 - _EWMA) * self.file_seconds + _EWMA * seconds
         # `_stage` asks the plans, never their planner: a fetch re-enters no planner.
@@ -389,7 +443,7 @@ class Prefetcher:
             for plan in plans.values():
                 most = np.maximum(most, np.where(plan.unread(keys), plan.readers, 0))
             readers = most.tolist()
-        now = time.monotonic()
+        now = self._clock()
         for (key, data, sig), n in zip(landed, readers, strict=True):
             if n > 1 and self._reads_left is not None:  # all reads to come, not one a member
                 n = max(n, self._reads_left(key))
@@ -406,7 +460,7 @@ class Prefetcher:
                 self.holds.hold(key, n, now)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         ended = []
         for name, plan in self.plans.items():
             if plan.done:

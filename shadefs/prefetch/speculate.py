@@ -27,20 +27,19 @@ Rules that keep it from ever slowing a job down:
 - a job gets a plan only once it has opened `EVIDENCE` files, and only while one of its
   processes still runs (readers/jobs.py `running`): one open is no sign of an epoch, and a
   job whose processes all exited reads nothing more. A shell loop that `cat`s each file
-  is hundreds of one-file jobs (each `cat` is a job of its own, jobs.py); a plan for each
-  staged the files the others then read, and what had left RAM again, 1.1-1.7 passes of
-  fetches for one pass of reads (tools/bench/bench_kernel_hits.py, issue 36);
+  is one job per `cat` (jobs.py), each of which opens one file and exits: a plan for each
+  would stage, for jobs that are over, the files the other `cat`s read next, and what
+  left RAM again, fetching each file more than once;
 - the plan is dropped when the job's processes have all exited, when its reads stop
-  (`idle` seconds without one), while the
-  tracker finds its epoch pattern broken (a file read twice before the epoch was
-  complete), when the job announces its epochs (a sampler: its orders are known), when
-  the job ends,
-  and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
-  that announces its order gets the clairvoyant prefetcher alone;
+  (`idle` seconds without one), while the tracker finds its epoch pattern broken (a file
+  read twice before the epoch was complete), when the job announces its epochs (a
+  sampler: its orders are known), when the job ends, and while any known order (a
+  sampler's or a `.shadefs/plan`) is being prefetched: a job that announces its order
+  gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
   reader reads it in blocks or through, or whole from the SSD tier, not from staging;
-- while most deferred opens are served by the kernel's own pages (cache/kernel_pages.py),
+- while most deferred opens are served by the kernel's own pages (kernel/pages.py),
   a file the kernel may hold is not planned.
 
 A new epoch of the job (the tracker's) replaces the plan by a fresh one over the new
@@ -60,14 +59,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import trio
 
-from shadefs.cache.handles import HandleLedger
-from shadefs.cache.kernel_pages import KernelPages
+from shadefs.kernel.pages import KernelPages
+from shadefs.prefetch.plans import speculative_name
 from shadefs.prefetch.prefetcher import Prefetcher
 from shadefs.prefetch.spec_plans import JobEpoch, Paths, SpecPlan
 from shadefs.readers.part import Readers
@@ -83,8 +83,6 @@ class Cache(Protocol):
     def prefetcher(self) -> Prefetcher | None: ...
     @property
     def readers(self) -> Readers: ...
-    @property
-    def handles(self) -> HandleLedger: ...
     @property
     def ram_max(self) -> int: ...
     @property
@@ -161,13 +159,17 @@ class Speculator:
     def __init__(
         self,
         cache: Cache,
+        kernel: KernelPages,
         *,
         enabled: bool = True,
         idle: float = IDLE,
         seed: int | None = None,
         offload_above: int = OFFLOAD_ABOVE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock  # (the prefetcher's: plans' pace and jobs' idleness)
         self.cache = cache
+        self.kernel = kernel  # which files the kernel may hold pages of (the service's)
         self.tracker = cache.readers.tracker
         self.enabled = enabled and cache.prefetcher is not None
         self.idle = idle
@@ -193,7 +195,7 @@ class Speculator:
                 while True:
                     await trio.sleep(PERIOD)
                     self.sync()
-                    self.tend(time.monotonic())
+                    self.tend(self._clock())
         finally:
             self._nursery = None
             self._building.clear()
@@ -201,7 +203,7 @@ class Speculator:
     def sync(self) -> None:
         """Take in every job's logged opens: they consume its plan's entries. It plans
         nothing (`tend` does, also for a job whose epoch moved)."""
-        now = time.monotonic()
+        now = self._clock()
         self.tracker.settle()
         jobs = self.cache.readers.jobs.jobs
         for row in [r for r, o in self._owner.items() if r not in jobs or jobs[r].id != o]:
@@ -229,7 +231,7 @@ class Speculator:
             return
         t = self.tracker
         known = any(not p.speculative for p in pf.plans.values())
-        flipped = self.cache.handles.kernel.trusted != self._trusted
+        flipped = self.kernel.trusted != self._trusted
         jobs = self.cache.readers.jobs
         for row in self._owner:
             plan = self.plans.get(row)
@@ -273,12 +275,12 @@ class Speculator:
         # twice (and never taken when its blocks are on the SSD already).
         limit = min(cache.ram_max, cache.handle_limit)
         owner = self._owner[row]
-        kernel = cache.handles.kernel
+        kernel = self.kernel
         self._trusted = kernel.trusted
         held = kernel if self._trusted else None  # the kernel serves what it holds
         unread = t.unread(row)
         snap = _Snapshot(
-            f"speculate:{owner}", t.keys, t.sizes, t.where, t.listings, unread, limit,
+            speculative_name(owner), t.keys, t.sizes, t.where, t.listings, unread, limit,
             cache.cached_keys(ssd=False), cache.cached_keys(ram=False) if held else [],
             int(self.rng.integers(1 << 62)), JobEpoch(t, row, t.epoch[row]), held,
         )  # fmt: skip
@@ -294,7 +296,7 @@ class Speculator:
         finally:
             if self._building.get(row) is building:
                 del self._building[row]
-        t, now = self.tracker, time.monotonic()
+        t, now = self.tracker, self._clock()
         if self._owner.get(row) != building.owner or t.epoch[row] != building.epoch:
             # `tend` plans the new epoch (or the row's new job) afresh.
             log.debug("job row %d: a plan built for an older epoch is dropped", row)

@@ -6,7 +6,7 @@ probing over a flat int32 array of ids plus one (0: a free slot, so that grown s
 come zeroed from calloc, untouched until written), the keys themselves compared in
 the id -> key column `keys`, which the tracker uses as its own. A key costs its 8 B in
 `keys` and 6-12 B of slots (at most 2/3 full): about 20 B, where a dict entry with its two
-int objects cost ~100 B (DESIGN.md §6; 1.28 M files: 25 MB against ~130 MB).
+int objects cost ~100 B (docs/design.md §6; 1.28 M files: 25 MB against ~130 MB).
 
 Any int64 is a valid key (inode numbers, and the negative keys of blocks). Ids are never
 freed: a key keeps its id for the life of the mount, as the tracker's columns do.

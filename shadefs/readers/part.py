@@ -15,10 +15,8 @@ but `describe`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import numpy as np
-import trio
 
 from shadefs.readers.jobs import Job, JobTable
 from shadefs.readers.pending import PendingReads
@@ -27,11 +25,7 @@ from shadefs.stats import JobStats
 
 log = logging.getLogger(__name__)
 
-SETTLE = 0.05  # seconds between two settlings of the universes (new listings join)
-
-
-def _nothing() -> None:
-    pass
+SETTLE = 0.05  # seconds between two ticks by the owner (`tick`: new listings join)
 
 
 def _no_sample(key: int) -> int:
@@ -54,25 +48,19 @@ class Readers:
         self.jobs = jobs if jobs is not None else JobTable()
         self.pending = pending if pending is not None else PendingReads(_no_sample)
         self.tracker = Tracker(listing_of)
-        # Run before each tick's settle and sweep: the reads logged elsewhere but not told
-        # yet (the cache's hits, cache/hits.py), so that no sweep finds their job idle.
-        self.before_tick: Callable[[], None] = _nothing
+        self._swept: float | None = None  # the last sweep (None: from the first tick)
 
-    def start(self, nursery: trio.Nursery) -> None:
-        nursery.start_soon(self.run)
-
-    async def run(self) -> None:
-        """Settle the universes often and sweep the idle jobs now and then, until cancelled."""
-        clock = self.jobs.clock
-        swept = clock()
-        while True:
-            await trio.sleep(SETTLE)
-            self.before_tick()
-            self.tracker.settle()
-            now = clock()
-            if now - swept >= self.jobs.period:
-                swept = now
-                self.expire(now)
+    def tick(self) -> None:
+        """Settle the universes, and sweep the idle jobs once a sweep period has passed. The
+        owner calls it every SETTLE seconds, once it has told the reads it logged (the
+        cache's hits), so that no sweep finds their job idle."""
+        self.tracker.settle()
+        now = self.jobs.clock()
+        if self._swept is None:
+            self._swept = now
+        elif now - self._swept >= self.jobs.period:
+            self._swept = now
+            self.expire(now)
 
     def read(self, key: int, pid: int, i: int = -1) -> Job:
         """An open of `key` (tracker id `i`, -1: unknown) by reader `pid`: its job, with

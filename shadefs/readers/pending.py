@@ -86,7 +86,7 @@ class PendingReads:
         """Job `job` (None: the node's pool) will read `samples` (ids, repeats counted) in
         `epoch`, as share `share` (world size, rank) of that epoch's order: counted once.
         `counts`: `count(samples, len(left))`, if computed already (in a worker thread:
-        a bincount over a whole epoch holds the event loop for 10-20 ms at 1.28 M).
+        a bincount over a whole epoch would hold the event loop at 1.28 M samples).
         `group`, `members`: the job's sweep group and its active jobs, this one included
         (the others read this order too, each when it asks: counted ahead for them)."""
         row = _POOL if job is None else job

@@ -241,8 +241,8 @@ class Tracker(BatchReads):
 
     def _count(self, row: int, sign: int) -> None:
         """Add (sign 1) or take away (-1) job `row`'s share of `want` and `done`: a job
-        joining, leaving or changing epoch costs O(files), not O(jobs x files) (a third
-        job's join held the loop ~30 ms at 1.28 M files when every row was recounted)."""
+        joining, leaving or changing epoch costs O(files), not O(jobs x files), which
+        recounting every row would (in the event loop)."""
         n, e = self.n, self.epoch[row]
         last = self.last[row, :n]
         if sign > 0:

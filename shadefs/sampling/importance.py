@@ -4,7 +4,7 @@ This module owns the "ghost table" of the shade policy: a score in [0, 1] for ev
 the registered dataset, cached or not, so that admission can compare a miss with the least
 important cached entry and the PADS order (``shadefs.sampling.pads``) can draw by importance.
 
-Scores follow SHADE's insight (``reference/shade.md`` §2): only the *rank* of a sample's loss
+Scores follow SHADE's insight (docs/design.md §5): only the *rank* of a sample's loss
 within its mini-batch is kept, never the loss magnitude, so scores computed by different model
 versions stay comparable.  Unlike the released SHADE code, scores land on exactly the indices
 the loader returned, and they are smoothed over time with an exponential moving average

@@ -5,7 +5,7 @@ set of resident (cached) samples, and how the replay factor r follows training p
 It is pure numpy and deterministic: every rank of a job computes the same global list from
 (scores, resident, seed, epoch) and takes its DistributedSampler-style share of it.
 
-The released SHADE sampler (``reference/shade.md`` §3, §7) draws with replacement (about 37%
+The released SHADE sampler (docs/design.md §5) draws with replacement (about 37%
 of the data never seen per epoch), puts every hit before every miss, and does not partition
 ranks.  Here instead:
 

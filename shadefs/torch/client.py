@@ -25,11 +25,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from shadefs.common import EXIT_NOT_SHADEFS, EXIT_REJECTED, QuietError
+from shadefs.common import CONTROL_NAME, EXIT_NOT_SHADEFS, EXIT_REJECTED, QuietError
 
 log = logging.getLogger(__name__)
 
-CONTROL_DIR = ".shadefs"
+CONTROL_DIR = CONTROL_NAME
 # The residency file takes whole lines, at most this many bytes per write().
 MAX_RESIDENCY_WRITE = 64 << 10
 _CHUNK = 1 << 20

@@ -25,7 +25,7 @@ sampler's order, which a DataLoader does (shuffle=False with a sampler, any num_
 batch_size or a BatchSampler, drop_last or not: a dropped tail is simply never recorded).
 It is not exact with ``in_order=False``, an IterableDataset, or when some batches are
 skipped; then pass the indices the loader returned (``record(losses, indices=idx)``).
-The released SHADE code got exactly this wrong (``reference/shade.md`` §2).
+The released SHADE code got exactly this wrong (docs/design.md §5).
 
 Distributed jobs: every rank gets its share of one global order; losses are all-gathered
 per flush so every node's daemon ingests the whole job's losses.  Ranks that share one

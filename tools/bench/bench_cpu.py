@@ -295,7 +295,7 @@ def per_sample(p: Pass) -> str:
         f"{k}={_rate(v / p.opens)}" for k, v in sorted(p.requests.items()) if v and k[0] != "@"
     )
     r = p.requests
-    if r["@served"]:  # pushed with an open (fs/kernel.py) or read: what the kernel lacked
+    if r["@served"]:  # pushed with an open (kernel/notify.py) or read: what the kernel lacked
         reqs += f"; served {r['@served'] / p.opens / 1024:.2f} KiB/open"
     if not r["@misses"]:
         return reqs

@@ -5,7 +5,7 @@
 Each epoch reads every file once in a fresh random order (what RandomSampler and
 DistributedSampler do). The RAM budget is `fraction` of the dataset's bytes. Hit ratios
 come from the mount's stats.json (opens of regular files), over epochs 2..N. Theory
-(reference/peers.md §7): no demand cache beats f; LRU gets f + (1 - f) ln(1 - f).
+(docs/design.md, fact 1): no demand cache beats f; LRU gets f + (1 - f) ln(1 - f).
 
 Each read first drops the kernel's pages of its file (POSIX_FADV_DONTNEED), as with a
 dataset larger than the page cache: otherwise the kernel serves a miss that shadefs answers

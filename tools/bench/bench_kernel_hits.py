@@ -15,7 +15,7 @@ Each pass also shows how often the page cache was dropped while it ran (/proc/vm
 `drop_pagecache`: someone wrote /proc/sys/vm/drop_caches, as some tests and benchmarks do as
 root): the kernel then lacks the pages of deferred opens, their reads reach the daemon
 (`read requests`), and once most recent deferred opens were read, the daemon stops
-deferring (cache/kernel_pages.py), so the opens after that count as misses.
+deferring (kernel/pages.py), so the opens after that count as misses.
 """
 
 from __future__ import annotations

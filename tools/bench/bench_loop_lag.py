@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
-from shadefs.cache.ssd_format import Signature
+from shadefs.file_version import Signature
 from shadefs.fs.snapshots import STAT_DTYPE
 from shadefs.options import MountOptions
 from shadefs.prefetch import speculate
@@ -161,7 +161,7 @@ async def bench(args: argparse.Namespace, src: Path, steps: Steps) -> None:
             for d in range(args.dirs)
         ]
         cache.readers.tracker.listing_of = lambda key: listings[(key - 1000) // per_dir]
-        spec = speculate.Speculator(cache, seed=0)
+        spec = speculate.Speculator(cache, cache.handles.kernel, seed=0)
         # A third job that announces nothing (the two above announced their epochs, which
         # turns speculation off for them): a process of another program is another job.
         other = subprocess.Popen(["sleep", "600"])

@@ -43,10 +43,11 @@ from benchlib import (
     worker_pool,
 )
 
-from shadefs.cache.ssd_format import BLOCK, HSIZE, Signature, encode_header, entry_name
-from shadefs.cache.ssd_ledger import NBUCKETS
-from shadefs.cache.ssd_store import CacheLocked, SsdStore
+from shadefs.cache.ssd.format import BLOCK, HSIZE, encode_header, entry_name
+from shadefs.cache.ssd.ledger import NBUCKETS
+from shadefs.cache.ssd.store import CacheLocked, SsdStore
 from shadefs.common import format_size
+from shadefs.file_version import Signature
 
 GiB = 1 << 30
 
@@ -104,7 +105,7 @@ class Run:
 
 
 def encode_entry(relpath: bytes, data: bytes, sig: Signature) -> bytes:
-    """The exact bytes SsdStore.put writes for this entry (see cache/ssd_format.py)."""
+    """The exact bytes SsdStore.put writes for this entry (see cache/ssd/format.py)."""
     return encode_header(relpath, data, sig) + relpath + data
 
 
@@ -116,9 +117,9 @@ def check_encoder(store: SsdStore, src: Path, relpath: bytes) -> None:
         raise RuntimeError(f"SsdStore.put refused {relpath!r}: is the disk full?")
     path = store.key_path(relpath)
     if path.name != entry_name(relpath) or path.parent.name != path.name[:3]:
-        raise RuntimeError(f"entry naming changed in ssd_store.py: {path}")
+        raise RuntimeError(f"entry naming changed in cache/ssd/store.py: {path}")
     if path.read_bytes() != encode_entry(relpath, data, sig):
-        raise RuntimeError("the entry format changed in ssd_store.py: update encode_entry")
+        raise RuntimeError("the entry format changed in cache/ssd/store.py: update encode_entry")
     if store.get(relpath, sig) != data:
         raise RuntimeError("SsdStore.get does not return what was put")
 

@@ -1,4 +1,4 @@
-"""The `belady` policy: Belady's MIN whenever the future order is known (DESIGN.md fact 3)."""
+"""The `belady` policy: Belady's MIN whenever the future order is known (docs/design.md fact 3)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 The `epoch` policy evicts the lowest rank first, the oldest first within a rank. Its
 entries move between ranks one at a time on reads (O(1) each) and all at once when the
-readers' tracker recounts (a job's new epoch, a job joining or leaving). With a dict per
-rank, that re-rank rebuilt a dict entry for every resident entry: 37-70 ms of event loop
-at 256k entries (issue 20 wants `loop_lag_max_ms` <= 50 at 1.28 M samples).
+readers' tracker recounts (a job's new epoch, a job joining or leaving). A dict per rank
+would rebuild a dict entry for every resident entry at each re-rank, in the event loop,
+which must stay responsive at 1.28 M samples (stats.json `loop_lag_max_ms`).
 
 Here every structure per entry is a numpy column over dense ids or an `array('q')` log:
 
@@ -12,8 +12,8 @@ Here every structure per entry is a numpy column over dense ids or an `array('q'
   index in its bucket's log (the two side by side: a read's move touches one cache line
   for both); `born[id]`: its index in the residency log. The columns grow
   to the tracker's capacity at once, over anonymous memory mapped zero pages that are only
-  touched when written (filling three columns of 2 M ids with -1, or calloc reusing freed
-  heap memory and clearing it, held the loop 17-50 ms);
+  touched when written (filling the columns with -1, or a calloc that reuses freed heap
+  memory and clears it, would touch every page in the event loop);
 - per rank, a log of ids in the order they joined the bucket; one log of ids in the
   order they became resident. A log is appended to, and an entry that dies (its id moved
   to another bucket, or was removed) is overwritten with -1 in place.

@@ -2,7 +2,7 @@
 
 Under shuffled epochs every file is read once per epoch, so the best any demand cache can
 do is keep a fixed set until it has been read this epoch (hit ratio f = cache/dataset, the
-bound that Belady's MIN also reaches), while LRU thrashes (DESIGN.md fact 1).
+bound that Belady's MIN also reaches), while LRU thrashes (docs/design.md fact 1).
 
 The policy is a pure ranker over the readers' tracker (readers/tracker.py), which alone
 knows each job's epoch and what it read: an entry's rank is the number of active jobs that
@@ -39,7 +39,7 @@ class EpochPolicy(Policy):
     within a rank; shrinking takes the lowest ranks first. A read moves one entry between
     buckets (O(1)); when the tracker recounts (a job's new epoch, a job joining or
     leaving: its `generation` moves) the policy re-ranks its entries in numpy, once, with
-    no Python object per entry (buckets.py: ~10 ms at 256k entries).
+    no Python object per entry (buckets.py).
 
     With `pending` (the reads the known orders still make, readers/pending.py), an entry
     with reads to come is never evicted for a miss without, and such a miss may replace

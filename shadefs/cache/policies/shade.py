@@ -1,7 +1,7 @@
 """The `shade` policy: SHADE's importance-aware admission and eviction (APP).
 
 It keeps the samples the training job finds most important. It pays off with the
-importance sampler, which replays resident samples (DESIGN.md fact 2).
+importance sampler, which replays resident samples (docs/design.md fact 2).
 """
 
 from __future__ import annotations

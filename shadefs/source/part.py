@@ -5,7 +5,7 @@ Every call that may block on the remote runs in a worker thread behind one
 thread or runs in one: a hung NFS server turns into EIO for the caller instead of a hung
 training job, even when every thread is stuck in it. The number of threads stuck in the
 kernel is bounded by the limiter (a token comes back only when its thread really finishes,
-so abandoned calls keep holding theirs, counted as `threads_stuck`); `source_calls.py` does
+so abandoned calls keep holding theirs, counted as `threads_stuck`); `source/calls.py` does
 all this at the least cost trio allows. Every source access goes through `Source.run`:
 lookups, opens, reads, listings, links, xattrs, statfs, the prefetcher's and speculation's
 batches, block loads. Errors become `pyfuse3.FUSEError` with the source's errno.
@@ -53,10 +53,10 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
-from shadefs.source_calls import Calls, TimedOut
-from shadefs.source_inline import InlineReads
-from shadefs.source_paths import Resolver, version
-from shadefs.source_reads import pread_spread, readahead_bytes
+from shadefs.source.calls import Calls, TimedOut
+from shadefs.source.inline import InlineReads
+from shadefs.source.paths import Resolver, version
+from shadefs.source.reads import pread_spread, readahead_bytes
 from shadefs.stats import SourceStats
 
 log = logging.getLogger(__name__)
@@ -166,10 +166,12 @@ class Source:
         use_openat2: bool | None = None,
         fd_budget: int | None = None,
         inline: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        self._clock = clock  # (seconds: how long an outage has lasted)
         self.root = os.path.abspath(os.fsencode(root))
         self.paths = Resolver(self.root, use_openat2=use_openat2)
-        # Small files the source has cached are read on the loop (source_inline.py).
+        # Small files the source has cached are read on the loop (source/inline.py).
         self.inline = InlineReads(self.paths, enabled=inline)
         self._use_openat2 = use_openat2
         self._root_id = _identity(os.fstat(self.paths.root_fd))
@@ -178,7 +180,7 @@ class Source:
         self.reopens = 0
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
-        self.calls = Calls(self.limiter)  # threads and deadlines (source_calls.py)
+        self.calls = Calls(self.limiter)  # threads and deadlines (source/calls.py)
         self.healthy = True
         self.timeouts = 0
         self.errors = 0
@@ -186,7 +188,7 @@ class Source:
         self._outage_since = 0.0
         budget = FdBudget.of_process(max_threads) if fd_budget is None else fd_budget
         self.fds = FdBudget(budget, os.getuid())
-        # A random reader's large reads go in pieces of this size at once (source_reads.py).
+        # A random reader's large reads go in pieces of this size at once (source/reads.py).
         self.piece = readahead_bytes(self._root_id[0])
 
     def root_stat(self) -> os.stat_result:
@@ -216,7 +218,7 @@ class Source:
             self.timeouts += 1
             if self.healthy:
                 self.healthy = False
-                self._outage_since = time.monotonic()
+                self._outage_since = self._clock()
                 log.error(
                     "source %s did not answer within %.1f s: serving cached files only, "
                     "misses fail with EIO until it recovers",
@@ -280,7 +282,7 @@ class Source:
             log.warning(
                 "source %s answers again after %.1f s",
                 os.fsdecode(self.root),
-                time.monotonic() - self._outage_since,
+                self._clock() - self._outage_since,
             )
 
     # --- metadata ---------------------------------------------------------------------
@@ -376,7 +378,7 @@ class Source:
 
     async def pread(self, fd: int, size: int, off: int, random: bool = False) -> bytes:
         """`random`: the descriptor is read at random (fadvised so); a large read then goes
-        in pieces that travel together (source_reads.py)."""
+        in pieces that travel together (source/reads.py)."""
         data = await self.run(pread_spread, fd, size, off, self.piece if random else 0)
         self.bytes_read += len(data)
         return data

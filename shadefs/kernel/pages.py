@@ -7,7 +7,7 @@ daemon. The daemon cannot see those pages. What it knows:
 - the kernel holds no pages of an inode it has not opened since it last forgot it (a
   forget drops the kernel's inode with its pages). `opened` keeps that per inode in a
   fixed bytearray indexed by the inode number's low bits: one byte a slot, no per-file
-  object (DESIGN.md §6); a collision says "may hold" for a file that does not, which only
+  object (docs/design.md §6); a collision says "may hold" for a file that does not, which only
   costs what a wrong guess costs below;
 - how often a deferred open (cache/lazy.py: a miss answered before its fetch) was released
   without a read, that is, served from the kernel's pages: `held`, a moving average over
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["KernelPages"]
+__all__ = ["BulkDrops", "KernelPages"]
 
 _SLOTS = 1 << 22
 _MASK = _SLOTS - 1
@@ -62,6 +62,10 @@ class KernelPages:
         for ino in inos:
             opened[ino & _MASK] = 0
 
+    def holds(self, ino: int) -> bool:
+        """Whether the kernel may hold pages of `ino` (`may_hold` of one)."""
+        return self._opened[ino & _MASK] != 0
+
     def may_hold(self, keys: np.ndarray) -> np.ndarray:
         """Per key (uint64 inode numbers): whether the kernel may hold pages of it."""
         return np.asarray(self._view[keys & np.uint64(_MASK)] != 0)
@@ -82,3 +86,36 @@ class KernelPages:
     def trusted(self) -> bool:
         """Whether the kernel served most of the recent deferred opens itself."""
         return self.held >= 0.5
+
+
+#: After two reads of resident bytes within this many handles, reopens push their bytes to
+#: the kernel with their open for this many handles (`BulkDrops`).
+REPUSH = 64
+
+
+class BulkDrops:
+    """Whether the kernel has lately been dropping pages in bulk, as judged by the handles
+    of resident bytes whose first read reached the daemon (the kernel lacked their pages).
+
+    Two such reads within REPUSH handles of each other say it did (memory pressure, a
+    page-cache drop between epochs), and would send READs for the reopens that follow: for
+    the next REPUSH handles, a reopen pushes its bytes with its open (kernel/notify.py,
+    `push_pages`). A read on its own (one file's pages aged out, as the page-out daemon
+    does now and then) pushes nothing. Handles are numbered in the order of the opens.
+    """
+
+    __slots__ = ("_read", "_bulk")
+
+    def __init__(self) -> None:
+        self._read = -(1 << 62)  # the last handle of resident bytes that was read
+        self._bulk = -(1 << 62)  # the last such read within REPUSH of the one before
+
+    def read(self, fh: int) -> None:
+        """The first read of handle `fh`, of resident bytes, reached the daemon."""
+        if fh - self._read <= REPUSH:
+            self._bulk = fh
+        self._read = fh
+
+    def push(self, fh: int) -> bool:
+        """Whether the open of handle `fh` should push its bytes to the kernel."""
+        return fh - self._bulk <= REPUSH

@@ -16,7 +16,7 @@ bytes asked are fetched, so "fetch what is read" holds. The piece is the source'
 read-ahead size, read once from sysfs: on NFS (read-ahead of 15 rsize) a 1 MiB read fits
 in one piece and goes as it did, one request.
 
-These functions run in the source's worker threads (source.py, cache/blocks.py).
+These functions run in the source's worker threads (source/part.py, cache/blocks.py).
 """
 
 from __future__ import annotations

@@ -24,16 +24,16 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
-from shadefs.cache.ssd_format import (
+from shadefs.cache.ssd.format import (
     HSIZE,
     VERSION,
-    Signature,
     Verdict,
     disk_size,
     entry_name,
     entry_size,
     read_header,
 )
+from shadefs.file_version import Signature
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Small files that the source holds in memory, read on the event loop: no thread hop.
 
-A source call runs in a worker thread (source.py) because it may block on the remote. But
+A source call runs in a worker thread (source/part.py) because it may block on the remote. But
 a 4 KiB file that a local filesystem has in its page cache costs about 9 us of system calls
 to read, and the hop around them far more: the worker's wake-up, and a GIL hand-off at each
 of the read's six system calls while the loop runs Python beside it (futex waits that were
@@ -11,7 +11,7 @@ first tried here, on the loop, and goes to a thread only when this cannot answer
   (`LOCAL`, from /proc/self/mountinfo), and the open neither crosses into another mount
   (RESOLVE_NO_XDEV: an NFS mount under a local tree goes to the thread) nor leaves the
   kernel's dentry cache (RESOLVE_CACHED); the same beneath-the-root, no-symlink resolution
-  as every other open (source_paths.py);
+  as every other open (source/paths.py);
 - the read is one `preadv2(RWF_NOWAIT)` of the whole file and one byte more: EAGAIN, or
   fewer bytes than the fstat's size, when a page is not cached (no disk read on the loop);
 - the same guarantee as a thread's fetch: one version of one regular file, its fstat taken
@@ -30,7 +30,7 @@ import logging
 import os
 import stat
 
-from shadefs.source_paths import DIR_PATH, FILE_READ, Resolver, version
+from shadefs.source.paths import DIR_PATH, FILE_READ, Resolver, version
 
 log = logging.getLogger(__name__)
 

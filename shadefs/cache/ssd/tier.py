@@ -36,8 +36,9 @@ import trio
 
 from shadefs.cache.block_keys import block_key, parse_block_relpath
 from shadefs.cache.policies import Policy
-from shadefs.cache.ssd_format import Signature, Verdict, disk_size, entry_size
-from shadefs.cache.ssd_store import SsdStore
+from shadefs.cache.ssd.format import Verdict, disk_size, entry_size
+from shadefs.cache.ssd.store import SsdStore
+from shadefs.file_version import Signature
 from shadefs.prefetch.fetching import FetchAhead, Got, Item
 from shadefs.stats import RestoreStats, SsdStats
 
@@ -71,7 +72,9 @@ class SsdTier:
         max_entry: int | None = None,
         queue: int = 256,
         block_size: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock  # (seconds: how long the restore took)
         self.store = store
         self.policy = policy
         self.key_of_ino = key_of_ino
@@ -304,7 +307,7 @@ class SsdTier:
             self._wake_evictor.set()
 
     async def _restore(self) -> None:
-        t0 = time.monotonic()
+        t0 = self._clock()
         scan = self.store.scan()
         while True:
             chunk = await trio.to_thread.run_sync(_next_chunk, scan)
@@ -321,7 +324,7 @@ class SsdTier:
             if len(chunk) < _RESTORE_CHUNK:
                 break
         self.restore_done = True
-        self.restore_seconds = time.monotonic() - t0
+        self.restore_seconds = self._clock() - t0
         log.info(
             "restored %d SSD entries (%.0f MB) in %.1f s",
             self.restore_entries,

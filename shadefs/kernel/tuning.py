@@ -6,15 +6,14 @@ user keeps the kernel's defaults, and a failure is logged at debug level, never 
 
 - `read_ahead_kb` of the mount's backing device info (bdi): the kernel starts a FUSE mount
   at 128 KiB, so a reader's 1 MiB reads arrive as eight 128 KiB requests. At 1024, they
-  arrive as 1 MiB requests (libfuse 3.14 negotiates max_pages = 256): measured on a
-  block-cached shard, 321 -> 41 requests per 42 MB and 0.7 -> 1.0-1.3 GB/s (README,
-  "Sharded datasets").
+  arrive as 1 MiB requests (libfuse 3.14 negotiates max_pages = 256): an eighth of the
+  requests for a sequential reader (docs/benchmarks.md, "Sharded datasets").
 - `max_background` and `congestion_threshold` of the FUSE connection
   (/sys/fs/fuse/connections/<id>/, the fusectl filesystem): how many asynchronous requests
   (read-ahead READs) the kernel keeps in flight for the whole mount, default 12 and 9. They
-  bound reads that wait on the source: 16 readers of pass-through files behind a 50 ms
-  source moved 100 MB/s at 12, 167-180 at 64, 180-212 at 144 (docs/developer-notes.md,
-  "Kernel-side levers"); cached reads answered inline do not change.
+  bound reads that wait on the source: readers of pass-through files behind a slow source
+  move about twice the bytes at 144 as at 12 (docs/developer-notes.md, "Kernel-side
+  levers"); cached reads answered inline do not change.
   fusectl is mounted here when the directory is empty (as systemd does at boot).
 """
 

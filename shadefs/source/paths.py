@@ -334,7 +334,7 @@ def open_cached_at(dir_fd: int, rel: bytes, flags: int) -> int:
     RESOLVE_CACHED (EAGAIN, a BlockingIOError, when a component is not in the dentry cache;
     EINVAL before Linux 5.12, ENOSYS without openat2), called without releasing the GIL:
     for the event loop, where handing the GIL to a worker thread and taking it back would
-    cost more than the call (source_inline.py, the SSD tier's warm reads)."""
+    cost more than the call (source/inline.py, the SSD tier's warm reads)."""
     if _syscall_held is None:
         raise OSError(errno.ENOSYS, "no syscall()", rel)
     if b"\0" in rel:  # ctypes would cut the path there

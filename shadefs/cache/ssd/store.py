@@ -23,7 +23,7 @@ Every access goes through a descriptor of the cache directory opened once, never
 path: if someone deletes or replaces the directory while the daemon runs, the daemon keeps
 working in the directory it opened (an entry that is gone is a miss, a write that fails is
 refused) and never touches the new one, which another daemon may then take. `lost()` says
-when the directory was deleted; the tier then runs on RAM and the source (ssd_tier.py).
+when the directory was deleted; the tier then runs on RAM and the source (ssd/tier.py).
 The directory must belong to the daemon's user and be writable by no one else
 (`check_owner`): an entry forged by another user is never served.
 
@@ -45,10 +45,9 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from shadefs.cache.ssd_format import (
+from shadefs.cache.ssd.format import (
     HSIZE,
     MAX_RELPATH,
-    Signature,
     Verdict,
     disk_size,
     encode_header,
@@ -58,9 +57,10 @@ from shadefs.cache.ssd_format import (
     read_version,
     write_all,
 )
-from shadefs.cache.ssd_ledger import Ledger
-from shadefs.cache.ssd_owner import check_owner
-from shadefs.source_paths import open_cached_at
+from shadefs.cache.ssd.ledger import Ledger
+from shadefs.cache.ssd.owner import check_owner
+from shadefs.file_version import Signature
+from shadefs.source.paths import open_cached_at
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,10 @@ import enum
 import os
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 import xxhash
+
+from shadefs.file_version import Signature
 
 __all__ = [
     "BLOCK",
@@ -53,7 +54,6 @@ __all__ = [
     "MAX_RELPATH",
     "VERSION",
     "Header",
-    "Signature",
     "Verdict",
     "decode_header",
     "disk_size",
@@ -77,39 +77,6 @@ _V1_HASHED = struct.Struct("<4sHHQQqQQ")
 _SCAN_READ = HSIZE + 4096
 BLOCK = 4096  # the allocation unit we charge for, as du does on ext4/xfs
 MAX_RELPATH = 0xFFFF
-
-
-class StatLike(Protocol):
-    """What a signature (and the cache's open) reads of a stat: os.stat_result, or the
-    namespace's compact record."""
-
-    @property
-    def st_size(self) -> int: ...
-    @property
-    def st_mtime_ns(self) -> int: ...
-    @property
-    def st_ctime_ns(self) -> int: ...
-    @property
-    def st_ino(self) -> int: ...
-
-
-class Signature(NamedTuple):
-    """The source file's identity when it was cached; any change makes the entry stale.
-
-    ctime_ns is there because it is the one field a writer cannot put back: size and mtime
-    can be restored after an in-place rewrite (utime), ctime moves on with every change.
-    A tuple rather than a frozen dataclass: one is built and compared on every open, and a
-    tuple costs a fraction of a frozen dataclass's __init__.
-    """
-
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    ino: int
-
-    @classmethod
-    def of(cls, st: StatLike) -> Signature:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 class Verdict(enum.Enum):
