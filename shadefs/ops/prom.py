@@ -227,6 +227,7 @@ METRICS: tuple[Sample, ...] = (
     _c("prefetch.kept", "prefetch_kept", "Files let go by RAM, staged for jobs still to read"),
     _c("prefetch.late", "prefetch_late", "Opens served by a prefetch still in flight"),
     _c("prefetch.unused", "prefetch_unused", "Prefetched files no plan read when they landed"),
+    _c("prefetch.kernel_held", "prefetch_kernel_held", "Planned files left to the kernel's pages"),
     _g("sampler.samples", "sampler_samples", "Samples in the registered dataset"),
     _g("sampler.epoch", "sampler_epoch", "Epoch the training job reported last"),
     _g("sampler.replay", "sampler_replay", "Replay factor r of the PADS order"),
