@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -282,6 +283,54 @@ def test_the_pid_cache_and_job_expiry() -> None:
     table.jobs[row].hits += 1
     assert table.expire(now + 10) == [] and table.jobs[row].last_seen == now + 10
     assert table.expire(now + 10.6) == [row]
+
+
+def test_a_job_runs_while_its_process_or_one_of_its_readers_does(tmp_path: Path) -> None:
+    table = JobTable()
+    assert table.running(table.row_of(os.getpid()))  # this process: it runs
+    assert table.running(table.row_of(0))  # no process known: it may read
+    # A `cat` of a shell loop: its own job, over once it exited (a zombie is exited too).
+    cat = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        row = table.row_of(cat.pid)
+        assert table.running(row)
+        cat.kill()
+        deadline = time.monotonic() + 10
+        while ProcInfo().start_time(cat.pid, live=True) is not None:  # until it is a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not table.running(row)
+    finally:
+        cat.kill()
+        cat.wait()
+    assert not table.running(row)
+    # A training process whose forked worker reads: the job runs while either does.
+    out = tmp_path / "pids"
+    code = textwrap.dedent(
+        """
+        import os, sys, time
+        if os.fork() == 0:
+            open(sys.argv[1], "a").write(f"{os.getpid()}\\n"); time.sleep(30); os._exit(0)
+        time.sleep(30)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], start_new_session=True)
+    try:
+        (worker,) = _pids(out, 1, proc)
+        row = table.row_of(worker)
+        assert table.jobs[row].id == f"pid:{proc.pid}"
+        proc.kill()  # the training process is gone, its worker reads on
+        proc.wait()
+        assert table.running(row)
+        os.kill(worker, 9)
+        deadline = time.monotonic() + 10
+        while table.running(row):  # (reaped by init, or a zombie until then)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (gone with its last process)
+            os.killpg(proc.pid, 9)
+        proc.wait()
 
 
 def test_a_named_job_takes_over_its_processes() -> None:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import random
+import shutil
 import stat
 import time
+from pathlib import Path
 
 import numpy as np
 import trio
+import trio.testing
 
 from shadefs.cache.coordinator import Cache
+from shadefs.prefetch import speculate as speculate_mod
 from shadefs.prefetch.fetching import PrefetchSettings
 from shadefs.prefetch.prefetcher import Plan
 from shadefs.prefetch.speculate import Speculator
+from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import ListingOf, Tracker
 from shadefs.stats import Metrics
@@ -217,7 +222,7 @@ def test_a_broken_pattern_drops_the_plan_and_a_new_epoch_replans() -> None:
 
 def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     source = _CountingSource(delay=0.005)
-    cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3])), 20 * SIZE)
+    cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3, 4])), 20 * SIZE)
     pf = cache.prefetcher
     assert pf is not None
     off = Speculator(cache, cache.handles.kernel, enabled=False)
@@ -227,6 +232,7 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     assert not off.plans and len(cache.readers.jobs.jobs[0].reads) == 0  # read in, no plan
     on = Speculator(cache, cache.handles.kernel)
     trio.run(_read, cache, source, 2)
+    trio.run(_read, cache, source, 4)  # (one open is no sign of an epoch: two)
     pf.add_plan(Plan("sampler", np.array([3], dtype=np.uint64), [b"p3"], np.array([SIZE])))
     on.sync()
     on.tend(time.monotonic())
@@ -381,6 +387,101 @@ def test_no_speculation_for_a_job_that_announces_its_epochs() -> None:
     cache.begin_epoch(1, 0)  # the job announces its epoch
     trio.run(_read, cache, source, 3)
     spec.sync()
+    spec.tend(time.monotonic())
+    assert not spec.plans
+
+
+class _Procs:
+    """A /proc of our own (readers/jobs.py's ProcInfo reads it): processes that start and
+    exit when the test says, each a child of a shell (pid 1 here) of another program."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def start(self, pid: int, program: bytes = b"cat") -> None:
+        d = self.root / str(pid)
+        d.mkdir(parents=True)
+        (d / "status").write_bytes(b"Tgid:\t%d\nPPid:\t1\n" % pid)
+        (d / "cmdline").write_bytes(program + b"\0")
+        self._stat(pid, b"S")
+
+    def _stat(self, pid: int, state: bytes) -> None:
+        fields = [state, *[b"0"] * 18, b"%d" % (1000 + pid)]  # field 22: the start time
+        (self.root / str(pid) / "stat").write_bytes(b"%d (x) " % pid + b" ".join(fields))
+
+    def exit(self, pid: int, zombie: bool = False) -> None:
+        if zombie:  # exited, not reaped yet
+            self._stat(pid, b"Z")
+        else:
+            shutil.rmtree(self.root / str(pid))
+
+
+def _cache_of_procs(source: _CountingSource, root: Path, n: int, window: int) -> Cache:
+    d = FakeListing(b"d", list(range(1, n + 1)))
+    jobs = JobTable(proc=ProcInfo(str(root)))
+    readers = Readers(jobs, listing_of=_listings(d))
+    prefetch = PrefetchSettings(window)
+    return Cache(source, Metrics(), capacity=8000, prefetch=prefetch, readers=readers)  # type: ignore[arg-type]
+
+
+def test_a_shell_loop_of_one_file_jobs_fetches_each_file_once(tmp_path: Path) -> None:
+    # `for f in ...; do cat "$f"; done`: each `cat` is a job of its own (jobs.py) that opens
+    # one file and exits. A plan for each staged, for jobs that were over, the files the
+    # other `cat`s then read, and what had left the RAM tier again (issue 36: 1.1-1.7
+    # passes of fetches for one pass of reads). No plan is made for any of them.
+    procs = _Procs(tmp_path / "proc")
+
+    async def run() -> None:
+        source = _CountingSource(delay=0.005)
+        cache = _cache_of_procs(source, procs.root, 60, 20 * SIZE)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, clock=trio.current_time)
+        pf = cache.prefetcher
+        assert pf is not None
+        order = random.Random(5).sample(range(1, 61), 60)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pf.run)
+            nursery.start_soon(spec.run)
+            for pid, key in enumerate(order, start=100):
+                procs.start(pid)
+                data = await cache.open(key, b"p%d" % key, source.stat(key), pid)
+                assert data is not None
+                cache.unpin(data)
+                procs.exit(pid, zombie=pid % 2 == 0)
+                await trio.sleep(0.004)  # the shell starts the next `cat`
+            await trio.sleep(2 * speculate_mod.PERIOD)
+            nursery.cancel_scope.cancel()
+        assert len(cache.readers.jobs.jobs) == 60  # one job per `cat`
+        # Every file crossed the link once, and only for its reader.
+        assert cache.fetchlog.refetches == 0 and pf.fetched == 0
+        assert sorted(source.fetches) == sorted(b"p%d" % k for k in range(1, 61))
+        assert spec.plans_made == 0
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_plan_needs_two_opens_and_ends_when_the_jobs_processes_exit(tmp_path: Path) -> None:
+    procs = _Procs(tmp_path / "proc")
+    source = _CountingSource()
+    cache = _cache_of_procs(source, procs.root, 20, 20 * SIZE)
+    spec = Speculator(cache, cache.handles.kernel, seed=0)
+    pf = cache.prefetcher
+    assert pf is not None
+    procs.start(7, b"python")
+
+    def read(key: int) -> None:
+        trio.run(cache.open, key, b"p%d" % key, source.stat(key), 7)
+        spec.sync()
+        spec.tend(time.monotonic())
+
+    read(3)
+    assert not spec.plans  # one open: no sign of an epoch yet
+    read(5)
+    (plan,) = spec.plans.values()  # an unchanged job reading its dataset: its unread files
+    assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
+    assert list(pf.plans) == [plan.name]
+    procs.exit(7)
+    spec.tend(time.monotonic())
+    assert not spec.plans and not pf.plans  # it reads nothing more: nothing is staged for it
     spec.tend(time.monotonic())
     assert not spec.plans
 

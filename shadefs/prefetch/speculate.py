@@ -24,12 +24,18 @@ Rules that keep it from ever slowing a job down:
   job's logged opens, taken in every PERIOD (`sync`), move the plan's cursor and rate.
   So the prefetcher never calls the speculator, and a finished fetch never re-enters a
   planner;
-- the plan is dropped when the job's reads stop (`idle` seconds without one), while the
-  tracker finds its epoch pattern broken (a file read twice before the epoch was
-  complete), when the job announces its epochs (a sampler: its orders are known), when
-  the job ends,
-  and while any known order (a sampler's or a `.shadefs/plan`) is being prefetched: a job
-  that announces its order gets the clairvoyant prefetcher alone;
+- a job gets a plan only once it has opened `EVIDENCE` files, and only while one of its
+  processes still runs (readers/jobs.py `running`): one open is no sign of an epoch, and a
+  job whose processes all exited reads nothing more. A shell loop that `cat`s each file
+  is one job per `cat` (jobs.py), each of which opens one file and exits: a plan for each
+  would stage, for jobs that are over, the files the other `cat`s read next, and what
+  left RAM again, fetching each file more than once;
+- the plan is dropped when the job's processes have all exited, when its reads stop
+  (`idle` seconds without one), while the tracker finds its epoch pattern broken (a file
+  read twice before the epoch was complete), when the job announces its epochs (a
+  sampler: its orders are known), when the job ends, and while any known order (a
+  sampler's or a `.shadefs/plan`) is being prefetched: a job that announces its order
+  gets the clairvoyant prefetcher alone;
 - the window bounds what is staged or in flight, as for every plan;
 - a file larger than the RAM tier caches whole (`--max-entry`) is never planned: its
   reader reads it in blocks or through, or whole from the SSD tier, not from staging;
@@ -89,6 +95,7 @@ log = logging.getLogger(__name__)
 PERIOD = 0.05  # seconds between takes of the jobs' reads
 IDLE = 1.0  # seconds without a read after which a job's plan is dropped
 REPLAN = 0.25  # seconds between rebuilds of a plan whose universe grew
+EVIDENCE = 2  # opens a job makes before it gets a plan (module doc)
 # Universe sizes above which `run` builds a plan in a worker thread (a smaller one costs
 # less than the thread hop, ~0.1 ms).
 OFFLOAD_ABOVE = 1 << 16
@@ -172,6 +179,8 @@ class Speculator:
         self._last_read: dict[int, float] = {}
         self._planned: dict[int, tuple[int, int, float]] = {}  # row -> (epoch, universe, t)
         self._spent: set[int] = set()  # rows with nothing left to stage until they grow
+        self._opens: dict[int, int] = {}  # row -> the opens taken in from its job
+        self._exited: set[int] = set()  # rows whose processes had all exited (until it reads)
         self.plans_made = 0
         self.offload_above = offload_above
         self._nursery: trio.Nursery | None = None  # while `run` runs: builds go off the loop
@@ -206,6 +215,8 @@ class Speculator:
             del job.reads[:]
             self._owner[row] = job.id
             self._last_read[row] = now
+            self._opens[row] = self._opens.get(row, 0) + len(keys)
+            self._exited.discard(row)  # asked again (a job's reads may be taken late)
             building = self._building.get(row)
             if building is not None:
                 building.caught.append(keys)  # consumed from its plan once it lands
@@ -221,12 +232,21 @@ class Speculator:
         t = self.tracker
         known = any(not p.speculative for p in pf.plans.values())
         flipped = self.kernel.trusted != self._trusted
+        jobs = self.cache.readers.jobs
         for row in self._owner:
             plan = self.plans.get(row)
             # A job that announces its epochs has a sampler whose orders the daemon knows
             # (or will): the clairvoyant prefetcher's, even between two of its orders.
             idle = now - self._last_read.get(row, 0.0) > self.idle
-            if known or t.explicit[row] or t.broken[row] or idle:
+            if known or t.explicit[row] or t.broken[row] or idle or row in self._exited:
+                self._drop(row)
+                continue
+            if self._opens.get(row, 0) < EVIDENCE:
+                continue  # no plan yet: one open says nothing of an epoch
+            # Asked of the jobs with a plan and of those about to get one; a job found
+            # exited is not asked again until it reads (a /proc read per job, not per tick).
+            if not jobs.running(row):
+                self._exited.add(row)
                 self._drop(row)
                 continue
             if plan is not None and plan.name not in pf.plans:
@@ -316,3 +336,5 @@ class Speculator:
         self._last_read.pop(row, None)
         self._planned.pop(row, None)
         self._spent.discard(row)
+        self._opens.pop(row, None)
+        self._exited.discard(row)

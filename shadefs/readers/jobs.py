@@ -54,6 +54,8 @@ class Job:
     last_seen: float = 0.0  # the table's clock at its last read (to the sweep period)
     swept_opens: int = 0  # hits + misses at the last expiry sweep
     pids: set[int] = field(default_factory=set)
+    root: int = 0  # the process it is named for (`job_root`), 0: none known
+    root_start: int | None = None  # that process's start time, when first seen
     # The keys it opened since the speculator last took them (its plans' entries are
     # consumed in batches, prefetch/speculate.py): the hit path appends one machine word.
     reads: array[int] = field(default_factory=lambda: array("Q"))
@@ -73,14 +75,17 @@ class ProcInfo:
     def __init__(self, root: str = "/proc") -> None:
         self.root = root
 
-    def start_time(self, pid: int) -> int | None:
-        """Field 22 of /proc/<pid>/stat (the start time in ticks), or None if it is gone."""
+    def start_time(self, pid: int, live: bool = False) -> int | None:
+        """Field 22 of /proc/<pid>/stat (the start time in ticks), or None if it is gone
+        (`live`: or if it exited and waits to be reaped, a zombie)."""
         raw = _read(f"{self.root}/{pid}/stat")
         if raw is None:
             return None
         # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
         rest = raw[raw.rfind(b")") + 2 :].split()
         try:
+            if live and rest[0] in (b"Z", b"X"):
+                return None
             return int(rest[19])
         except (IndexError, ValueError):
             return None
@@ -182,11 +187,33 @@ class JobTable:
         if job is not None:
             return job
         start = self.proc.start_time(pid)
-        job = self.jobs[self._row_for(f"pid:{job_root(pid, self.proc)}" if pid else "pid:0")]
+        root = job_root(pid, self.proc) if pid else 0
+        job = self.jobs[self._row_for(f"pid:{root}")]
+        if not job.root and root:
+            job.root = root
+            job.root_start = start if root == pid else self.proc.start_time(root)
         job.pids.add(pid)
         self.pids[pid] = job
         self._starts[pid] = start
         return job
+
+    def running(self, row: int) -> bool:
+        """Whether job `row` may still read: the process it is named for, or one of its
+        readers, still runs (not exited, and not a new process with a reused pid). A job
+        none of whose processes runs (a `cat` in a shell loop, right after its one file)
+        reads nothing more, although the table keeps it, and the stats show it, until
+        its idle time ends it. A job of no known process (pid 0) counts as running. Reads
+        /proc: not for the hit path."""
+        job = self.jobs.get(row)
+        if job is None:
+            return False
+        if not job.root:
+            return True
+        proc = self.proc
+        if proc.start_time(job.root, live=True) == job.root_start:
+            return True
+        starts = self._starts
+        return any(p in starts and proc.start_time(p, live=True) == starts[p] for p in job.pids)
 
     def row_of(self, pid: int) -> int:
         """The row of the job that reader `pid` belongs to."""

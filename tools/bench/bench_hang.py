@@ -16,7 +16,13 @@ the time to the first good miss, 20 misses after it, and the daemon's thread cou
 its count before the outage.
 
 It prints each figure with what the issue asks of it (issue 36's "must show"); it asserts
-nothing. Figures are wall time on whatever machine runs it: say whether it was shared.
+nothing. Figures are wall time on whatever machine runs it: say whether it was shared. To
+tell where the slowest hit waited, it also prints when that hit began against the waves'
+start, the requests the kernel held for the daemon then (/sys/fs/fuse/connections/N/waiting:
+also those in a source call), the daemon's CPU time during the hit and the machine's busy
+share (from /proc), the daemon's worst event-loop stall (stats.json `loop_lag_max_ms`), the
+daemon's CPU per miss in each wave, and how often someone dropped the kernel's dentries
+during the outage (a hit's lookup then asks the source).
 """
 
 from __future__ import annotations
@@ -88,6 +94,27 @@ def _read(path: Path, listing: bool = False) -> tuple[float, int | None]:
     return time.monotonic() - t0, None
 
 
+def _cpu() -> tuple[int, int]:
+    """(busy, all) clock ticks of every CPU since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # (idle and iowait are not busy)
+
+
+def _cpu_of(pid: int) -> int:
+    """The clock ticks process `pid` ran (user + system, all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[11]) + int(rest[12])
+
+
+def _drops() -> dict[str, int]:
+    """How often the page cache (`drop_pagecache`) and the dentries and inodes (`drop_slab`)
+    were dropped since boot: someone wrote /proc/sys/vm/drop_caches, as some tests do."""
+    with open("/proc/vmstat") as f:
+        return {k: int(v) for k, v in (line.split() for line in f) if k.startswith("drop_")}
+
+
 def _stats(mnt: Path) -> dict[str, Any]:
     """stats.json, or {} when the daemon does not answer within 10 s (a mount whose request
     tasks are all held by misses reads no request, stats.json included)."""
@@ -105,18 +132,33 @@ def _read_together(
     return _read(path, listing)
 
 
-def _probe(mnt: Path, hot: list[str], stop: Any, out: Any) -> None:
+def _probe(mnt: Path, hot: list[str], daemon: int, stop: Any, out: Any) -> None:
     """In a process of its own (the misses' 200 threads share nothing with it): read hot
-    files and run `shadefs stat` until `stop`; send the latencies and the stuck peak."""
+    files and run `shadefs stat` until `stop`; send the latencies (with when each hit began,
+    CLOCK_MONOTONIC, which every process shares), the stuck peak and the daemon's own worst
+    event-loop stall (stats.json `loop_lag_max_ms`: each read takes the worst since the last)."""
     hits: list[float] = []
+    began: list[float] = []
+    queued: list[int] = []  # the requests the kernel held for the daemon as each hit began
+    # Per hit: the machine's busy share of its CPUs, and the daemon's CPU time (ticks).
+    busy: list[float] = []
+    daemon_ticks: list[int] = []
+    lag_max = 0.0
+    waiting = Path(f"/sys/fs/fuse/connections/{os.minor(os.stat(mnt).st_dev)}/waiting")
     hit_errors = 0
     stat_times: list[float] = []
     stat_failures = 0
     stuck_max = 0
     i = 0
     while not stop.is_set():
+        queued.append(int(waiting.read_text()))
+        (b0, a0), d0 = _cpu(), _cpu_of(daemon)
+        began.append(time.monotonic())
         took, err = _read(mnt / hot[i % len(hot)])
         hits.append(took)
+        (b1, a1), d1 = _cpu(), _cpu_of(daemon)
+        busy.append((b1 - b0) / max(1, a1 - a0))
+        daemon_ticks.append(d1 - d0)
         hit_errors += err is not None
         i += 1
         if i % 10 == 0:
@@ -131,8 +173,22 @@ def _probe(mnt: Path, hot: list[str], stop: Any, out: Any) -> None:
             if res.returncode == 0:
                 doc = json.loads(res.stdout)
                 stuck_max = max(stuck_max, doc.get("source_threads_stuck", -1))
+                lag_max = max(lag_max, doc.get("loop_lag_max_ms", 0.0))
         time.sleep(0.02)
-    out.send((hits, hit_errors, stat_times, stat_failures, stuck_max))
+    out.send(
+        (
+            hits,
+            began,
+            queued,
+            busy,
+            daemon_ticks,
+            hit_errors,
+            stat_times,
+            stat_failures,
+            stuck_max,
+            lag_max,
+        )
+    )
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -162,16 +218,21 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             time.sleep(11)  # trio's idle worker threads end after 10 s
             before = _threads(pid)
             print(f"mode {args.hang}: daemon threads before the outage: {before}")
+            drops = _drops()
             os.kill(slow_pid, signal.SIGSTOP if args.hang == "stop" else signal.SIGUSR1)
             resumed = False
             try:
                 stop, (got_probe, send_probe) = mp.Event(), mp.Pipe(duplex=False)
-                prober = mp.Process(target=_probe, args=(mnt, hot, stop, send_probe))
+                prober = mp.Process(target=_probe, args=(mnt, hot, pid, stop, send_probe))
                 prober.start()
+                wave_starts = []
                 for w, wave in enumerate(cold):
-                    barrier = threading.Barrier(len(wave))
+                    barrier = threading.Barrier(
+                        len(wave), action=lambda: wave_starts.append(time.monotonic())
+                    )
 
                     pool = concurrent.futures.ThreadPoolExecutor(len(wave))
+                    ticks = _cpu_of(pid)
                     futures = [
                         pool.submit(_read_together, barrier, mnt / rel, args.hang == "readdir")
                         for rel in wave
@@ -179,6 +240,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                     done, pending = concurrent.futures.wait(futures, timeout=10 * args.timeout)
                     pool.shutdown(wait=False)
                     got = [f.result() for f in done]
+                    ticks = _cpu_of(pid) - ticks
                     worst = max((t for t, _ in got), default=0.0)
                     eio = sum(e == errno.EIO for _, e in got)
                     other = sorted({e or 0 for _, e in got if e != errno.EIO})
@@ -186,19 +248,49 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                         f"  wave {w + 1}: {len(wave)} concurrent misses: {eio} EIO, other "
                         f"outcomes (errno, 0: read) {other or 'none'}; slowest {worst:.2f} s; "
                         f"{len(pending)} still waiting after {10 * args.timeout:g} s "
-                        f"(asked: every one EIO within {2 * args.timeout:g} s)"
+                        f"(asked: every one EIO within {2 * args.timeout:g} s); the daemon "
+                        f"ran {ticks * 1000 / os.sysconf('SC_CLK_TCK') / len(wave):.2f} ms of "
+                        "CPU per miss"
                     )
                     if pending:
                         break
                 s = _stats(mnt)
                 stop.set()
-                hits, hit_errors, stat_times, stat_failures, stuck_max = got_probe.recv()
+                (
+                    hits,
+                    began,
+                    queued,
+                    busy,
+                    daemon_ticks,
+                    hit_errors,
+                    stat_times,
+                    stat_failures,
+                    stuck_max,
+                    lag_max,
+                ) = got_probe.recv()
                 prober.join()
                 print(
                     f"  hits during the outage: {len(hits)}, errors {hit_errors}, median "
                     f"{_pct(hits, 0.5) * 1e3:.1f} ms, p99 {_pct(hits, 0.99) * 1e3:.1f} ms, "
                     f"slowest {max(hits, default=0) * 1e3:.1f} ms (asked: < 100 ms)"
                 )
+                if hits:
+                    # Where the slowest hit fell: the waves' start and their deadline (the
+                    # timeout after it) are when the daemon has 200 requests to answer.
+                    worst = max(range(len(hits)), key=hits.__getitem__)
+                    at = [f"{began[worst] - t:+.2f} s" for t in wave_starts]
+                    print(
+                        f"  the slowest hit began at {', '.join(at)} from the waves' start, "
+                        f"behind {queued[worst]} requests the kernel held for the daemon (most "
+                        f"before a hit: {max(queued)}); the daemon's worst event-loop stall "
+                        f"{lag_max:.1f} ms"
+                    )
+                    tick = 1000 / os.sysconf("SC_CLK_TCK")
+                    print(
+                        f"  during the slowest hit the machine's {os.cpu_count()} CPUs were "
+                        f"{busy[worst]:.0%} busy, the daemon ran "
+                        f"{daemon_ticks[worst] * tick:.0f} ms of CPU (to {tick:.0f} ms)"
+                    )
                 print(
                     f"  shadefs stat during the outage: {len(stat_times)} runs, "
                     f"{stat_failures} failed, slowest {max(stat_times, default=0):.2f} s"
@@ -210,6 +302,11 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                     f"queue_timeouts {s.get('source_queue_timeouts')}, "
                     f"timeouts {s.get('source_timeouts')}; daemon threads {_threads(pid)}"
                 )
+                slab = _drops().get("drop_slab", 0) - drops.get("drop_slab", 0)
+                if slab:
+                    # The kernel forgot the hot files' names too: a hit's lookup then asks
+                    # the source, whose threads the outage holds (EIO, or the timeout).
+                    print(f"  the kernel's dentries were dropped {slab} times during the outage")
                 t_resume = time.monotonic()
                 _resume(args.hang, slow_pid)
                 resumed = True
