@@ -3,7 +3,7 @@
 Kernel request -> here -> namespace (which file) -> cache (where its bytes are) -> source
 (only on a miss). This module makes no policy decision and does no blocking I/O itself.
 
-Speed rules (docs/design.md §2.5): entry and attribute timeouts are long (the tree is
+Speed rules (docs/design.md §6): entry and attribute timeouts are long (the tree is
 read-only), readdir answers with attributes (pyfuse3 always uses readdirplus), a resident
 file is opened with keep_cache so the kernel page cache serves repeated reads without
 asking us, and a cache hit never leaves the trio thread. `flush` is left unimplemented:
