@@ -295,10 +295,7 @@ def test_a_job_runs_while_its_process_or_one_of_its_readers_does(tmp_path: Path)
         row = table.row_of(cat.pid)
         assert table.running(row)
         cat.kill()
-        deadline = time.monotonic() + 10
-        while ProcInfo().start_time(cat.pid, live=True) is not None:  # until it is a zombie
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        poll(lambda: ProcInfo().start_time(cat.pid, live=True) is None, "not a zombie", 10)
         assert not table.running(row)
     finally:
         cat.kill()
@@ -323,10 +320,8 @@ def test_a_job_runs_while_its_process_or_one_of_its_readers_does(tmp_path: Path)
         proc.wait()
         assert table.running(row)
         os.kill(worker, 9)
-        deadline = time.monotonic() + 10
-        while table.running(row):  # (reaped by init, or a zombie until then)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # (reaped by init, or a zombie until then)
+        poll(lambda: not table.running(row), "the job still runs", 10, interval=0.01)
     finally:
         with contextlib.suppress(ProcessLookupError):  # (gone with its last process)
             os.killpg(proc.pid, 9)

@@ -19,15 +19,25 @@ async def _open(cache, source, key: int, pid: int) -> None:
     cache.unpin(data)
 
 
-def test_an_evicted_file_another_job_still_reads_is_staged_for_it() -> None:
-    async def run() -> None:
-        source = _CountingSource(delay=0)
-        keys = list(range(1, 13))
-        cache = _cache(source, _listings(FakeListing(b"d", [*keys, 50])), 20 * SIZE)
-        pf = cache.prefetcher
-        assert pf is not None
+async def _setup(other_job: bool):
+    """A cache of 8 files over one directory of 12 (and, with `other_job`, a 13th that job B
+    opened first, so that B's universe is the whole directory): (source, keys, cache, pf)."""
+    source = _CountingSource(delay=0)
+    keys = list(range(1, 13))
+    cache = _cache(
+        source, _listings(FakeListing(b"d", [*keys, 50] if other_job else keys)), 20 * SIZE
+    )
+    pf = cache.prefetcher
+    assert pf is not None
+    if other_job:
         await _open(cache, source, 50, pid=_B)  # job B joins
         cache.readers.tracker.settle()  # its directory joins its universe: every file
+    return source, keys, cache, pf
+
+
+def test_an_evicted_file_another_job_still_reads_is_staged_for_it() -> None:
+    async def run() -> None:
+        source, keys, cache, pf = await _setup(other_job=True)
         for key in keys:  # job A reads 12 files into a cache of 8: 4 or more evicted
             await _open(cache, source, key, pid=_A)
         assert cache.evictions + cache.refused >= 4 and pf.kept == cache.evictions + cache.refused
@@ -42,11 +52,7 @@ def test_an_evicted_file_another_job_still_reads_is_staged_for_it() -> None:
 
 def test_a_file_no_other_job_reads_is_let_go() -> None:
     async def run() -> None:
-        source = _CountingSource(delay=0)
-        keys = list(range(1, 13))
-        cache = _cache(source, _listings(FakeListing(b"d", keys)), 20 * SIZE)
-        pf = cache.prefetcher
-        assert pf is not None
+        source, keys, cache, pf = await _setup(other_job=False)
         for key in keys:  # one job: what it evicts it has read this epoch
             await _open(cache, source, key, pid=_A)
         assert cache.evictions + cache.refused >= 4 and pf.kept == 0 and not pf.staged
@@ -60,13 +66,7 @@ def test_a_lazy_open_of_a_kept_file_is_deferred_and_counts_a_kernel_hit() -> Non
     # is a kernel hit when released unread, and a read that does come takes the staged
     # bytes, never the source.
     async def run() -> None:
-        source = _CountingSource(delay=0)
-        keys = list(range(1, 13))
-        cache = _cache(source, _listings(FakeListing(b"d", [*keys, 50])), 20 * SIZE)
-        pf = cache.prefetcher
-        assert pf is not None
-        await _open(cache, source, 50, pid=_B)
-        cache.readers.tracker.settle()
+        source, keys, cache, pf = await _setup(other_job=True)
         for key in keys:
             await _open(cache, source, key, pid=_A)
         kept = [key for key in keys if key in pf.staged]

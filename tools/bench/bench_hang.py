@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchlib import SHADEFS, mounted, slowfs_mounted, stats
 
@@ -132,6 +132,21 @@ def _read_together(
     return _read(path, listing)
 
 
+class Probe(NamedTuple):
+    """What the probe process saw during the outage (`_probe`)."""
+
+    hits: list[float]  # each hit's latency
+    began: list[float]  # when each hit began (CLOCK_MONOTONIC)
+    queued: list[int]  # the requests the kernel held for the daemon as each hit began
+    busy: list[float]  # the machine's busy share of its CPUs, per hit
+    daemon_ticks: list[int]  # the daemon's CPU time per hit (ticks)
+    hit_errors: int
+    stat_times: list[float]
+    stat_failures: int
+    stuck_max: int
+    lag_max: float
+
+
 def _probe(mnt: Path, hot: list[str], daemon: int, stop: Any, out: Any) -> None:
     """In a process of its own (the misses' 200 threads share nothing with it): read hot
     files and run `shadefs stat` until `stop`; send the latencies (with when each hit began,
@@ -176,7 +191,7 @@ def _probe(mnt: Path, hot: list[str], daemon: int, stop: Any, out: Any) -> None:
                 lag_max = max(lag_max, doc.get("loop_lag_max_ms", 0.0))
         time.sleep(0.02)
     out.send(
-        (
+        Probe(
             hits,
             began,
             queued,
@@ -187,7 +202,7 @@ def _probe(mnt: Path, hot: list[str], daemon: int, stop: Any, out: Any) -> None:
             stat_failures,
             stuck_max,
             lag_max,
-        )
+        )  # fmt: skip
     )
 
 
@@ -256,48 +271,37 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                         break
                 s = _stats(mnt)
                 stop.set()
-                (
-                    hits,
-                    began,
-                    queued,
-                    busy,
-                    daemon_ticks,
-                    hit_errors,
-                    stat_times,
-                    stat_failures,
-                    stuck_max,
-                    lag_max,
-                ) = got_probe.recv()
+                p = got_probe.recv()
                 prober.join()
                 print(
-                    f"  hits during the outage: {len(hits)}, errors {hit_errors}, median "
-                    f"{_pct(hits, 0.5) * 1e3:.1f} ms, p99 {_pct(hits, 0.99) * 1e3:.1f} ms, "
-                    f"slowest {max(hits, default=0) * 1e3:.1f} ms (asked: < 100 ms)"
+                    f"  hits during the outage: {len(p.hits)}, errors {p.hit_errors}, median "
+                    f"{_pct(p.hits, 0.5) * 1e3:.1f} ms, p99 {_pct(p.hits, 0.99) * 1e3:.1f} ms, "
+                    f"slowest {max(p.hits, default=0) * 1e3:.1f} ms (asked: < 100 ms)"
                 )
-                if hits:
+                if p.hits:
                     # Where the slowest hit fell: the waves' start and their deadline (the
                     # timeout after it) are when the daemon has 200 requests to answer.
-                    worst = max(range(len(hits)), key=hits.__getitem__)
-                    at = [f"{began[worst] - t:+.2f} s" for t in wave_starts]
+                    worst = max(range(len(p.hits)), key=p.hits.__getitem__)
+                    at = [f"{p.began[worst] - t:+.2f} s" for t in wave_starts]
                     print(
                         f"  the slowest hit began at {', '.join(at)} from the waves' start, "
-                        f"behind {queued[worst]} requests the kernel held for the daemon (most "
-                        f"before a hit: {max(queued)}); the daemon's worst event-loop stall "
-                        f"{lag_max:.1f} ms"
+                        f"behind {p.queued[worst]} requests the kernel held for the daemon (most "
+                        f"before a hit: {max(p.queued)}); the daemon's worst event-loop stall "
+                        f"{p.lag_max:.1f} ms"
                     )
                     tick = 1000 / os.sysconf("SC_CLK_TCK")
                     print(
                         f"  during the slowest hit the machine's {os.cpu_count()} CPUs were "
-                        f"{busy[worst]:.0%} busy, the daemon ran "
-                        f"{daemon_ticks[worst] * tick:.0f} ms of CPU (to {tick:.0f} ms)"
+                        f"{p.busy[worst]:.0%} busy, the daemon ran "
+                        f"{p.daemon_ticks[worst] * tick:.0f} ms of CPU (to {tick:.0f} ms)"
                     )
                 print(
-                    f"  shadefs stat during the outage: {len(stat_times)} runs, "
-                    f"{stat_failures} failed, slowest {max(stat_times, default=0):.2f} s"
+                    f"  shadefs stat during the outage: {len(p.stat_times)} runs, "
+                    f"{p.stat_failures} failed, slowest {max(p.stat_times, default=0):.2f} s"
                 )
                 print(
                     f"  stats: threads_stuck {s.get('source_threads_stuck')} (peak seen "
-                    f"{stuck_max}, of {args.threads}), threads_busy "
+                    f"{p.stuck_max}, of {args.threads}), threads_busy "
                     f"{s.get('source_threads_busy')}, "
                     f"queue_timeouts {s.get('source_queue_timeouts')}, "
                     f"timeouts {s.get('source_timeouts')}; daemon threads {_threads(pid)}"
