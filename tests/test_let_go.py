@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from shadefs.cache.lazy import Deferred
+from shadefs.cache.deferred import Deferred
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings
 

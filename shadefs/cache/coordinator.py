@@ -2,7 +2,7 @@
 
 The cache decides hit or miss when a regular file is opened (one sample = one file),
 fetches misses whole from the source (one fetch per file at a time, however many readers
-open it concurrently; at the first read when the open was deferred, cache/lazy.py), and
+open it concurrently; at the first read when the open was deferred, cache/deferred.py), and
 asks the policy whether the fetched bytes may stay and what to evict. It never chooses
 victims itself. Files above `max_entry` are `cache/blocks.py`'s: block entries in these
 same tiers (`admit`, `remove`; negative keys), or read through on a source descriptor.
@@ -28,12 +28,12 @@ import pyfuse3
 import trio
 
 from shadefs.cache.block_keys import by_file
+from shadefs.cache.deferred import Deferred
 from shadefs.cache.entry import Entry
 from shadefs.cache.fetchlog import FetchLog
 from shadefs.cache.flights import FileFlight, fly_many, flying
 from shadefs.cache.handles import HandleLedger
 from shadefs.cache.hits import Hits
-from shadefs.cache.lazy import Deferred
 from shadefs.cache.policies import Owned, Policy, make_policy
 from shadefs.cache.ssd.store import SsdStore
 from shadefs.cache.ssd.tier import SsdTier

@@ -5,7 +5,7 @@ invariant 6): eviction drops the cache's reference and the bytes live on until `
 Without a bound, many long-open handles could keep any amount of evicted data alive above
 `--ram`. This ledger counts, per distinct bytes object, how many handles hold it, and which
 of those objects the RAM tier no longer holds. `held` is what the handles alone keep alive:
-the memory the budget does not see, plus the sizes of deferred opens (cache/lazy.py) that
+the memory the budget does not see, plus the sizes of deferred opens (cache/deferred.py) that
 their first read will fetch, reserved at the open so that the limit holds once they have.
 Past the cache's limit, the coordinator serves new opens of uncached files without keeping
 a copy (pass-through reads), so `held` stays bounded.
@@ -38,7 +38,7 @@ class HandleLedger:
         self._outside: dict[int, int] = {}  # id(bytes) -> size, for pinned bytes not in RAM
         self.held = 0
         self.handles = 0
-        self.deferred = 0  # opens answered before their fetch (cache/lazy.py)
+        self.deferred = 0  # opens answered before their fetch (cache/deferred.py)
         self.unread = 0  # of those, released without a read: nothing fetched
         # What the kernel may serve itself (deferred opens): the service's one map.
         self.kernel = kernel if kernel is not None else KernelPages()

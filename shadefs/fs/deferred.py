@@ -4,7 +4,7 @@ Files evicted from RAM are often still in the kernel's page cache of the mount, 
 answered with keep_cache lets the kernel serve every read of them from its own pages: a
 fetch of the whole file at open would go unread, source bytes for nothing. `Operations.open`
 therefore asks the cache for a
-deferred miss (`Cache.open_entry(..., lazy=True)`, cache/lazy.py) when the kernel may hold
+deferred miss (`Cache.open_entry(..., lazy=True)`, cache/deferred.py) when the kernel may hold
 pages of the inode, and the handle's first read that reaches the daemon fetches.
 
 Which opens are deferred: those of inodes the kernel may hold pages of, that is, opened
@@ -41,7 +41,7 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from shadefs.cache.lazy import Deferred
+from shadefs.cache.deferred import Deferred
 from shadefs.file_version import Signature
 from shadefs.fs.namespace import Namespace
 from shadefs.fs.revalidate import MOVED

@@ -27,9 +27,9 @@ from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.blocks import BlockHandle, Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.deferred import Deferred
 from shadefs.cache.entry import Entry
 from shadefs.cache.extents import advise
-from shadefs.cache.lazy import Deferred
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
 from shadefs.file_version import Signature, StatLike

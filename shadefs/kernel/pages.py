@@ -9,7 +9,7 @@ daemon. The daemon cannot see those pages. What it knows:
   fixed bytearray indexed by the inode number's low bits: one byte a slot, no per-file
   object (docs/design.md §6); a collision says "may hold" for a file that does not, which only
   costs what a wrong guess costs below;
-- how often a deferred open (cache/lazy.py: a miss answered before its fetch) was released
+- how often a deferred open (cache/deferred.py: a miss answered before its fetch) was released
   without a read, that is, served from the kernel's pages: `held`, a moving average over
   the recent deferred opens. With a dataset that the page cache holds it stays near 1;
   with one larger than the machine's memory the kernel has reclaimed most pages of files

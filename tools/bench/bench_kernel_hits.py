@@ -6,7 +6,7 @@
 A dataset larger than `--ram` (1,000 files of 20 KB against 4 MB, the case of issue 36),
 read with `cat` in a fresh random order each pass, the page cache NOT dropped between
 passes: the kernel keeps the pages of every file read, and a deferred open lets it serve
-them (cache/lazy.py), so passes after the first fetch nothing from the source although the
+them (cache/deferred.py), so passes after the first fetch nothing from the source although the
 daemon's RAM tier holds a fifth of the data. Per pass: the opens, the tiers' hits, the
 kernel hits (deferred opens released unread), the hit ratio and the bytes from the source.
 The issue asks for a hit ratio >= 0.6 over three passes and the bytes of one pass.
