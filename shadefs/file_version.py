@@ -41,3 +41,15 @@ class Signature(NamedTuple):
     @classmethod
     def of(cls, st: StatLike) -> Signature:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def serves(got: Signature, size: int, want: Signature) -> bool:
+    """Whether `size` bytes read as version `got` are version `want`, whole: the one check
+    before bytes are served, cached or staged as the version a reader looked up."""
+    return got == want and size == want.size
+
+
+class Changed(Exception):
+    """The source has another version of a file than the one looked up: its bytes are not
+    served under the old version. The file system checks the node and retires it
+    (fs/revalidate.py)."""

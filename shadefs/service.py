@@ -29,6 +29,7 @@ import trio
 
 from shadefs.cache.blocks import Blocks
 from shadefs.cache.coordinator import Cache
+from shadefs.cache.face import CacheFace
 from shadefs.cache.policies import POLICIES
 from shadefs.cache.ssd.budget import ssd_defaults
 from shadefs.cache.ssd.owner import CacheUntrusted
@@ -140,7 +141,8 @@ class Service:
         )
         self.loop_lag = LoopLag()
         self.control = Control(self, self.stats, self.metrics, sessions=self.kernel_hits)
-        parts = (self.namespace, self.cache, self.control, self.metrics, self.source, self.blocks)
+        face = CacheFace(self.cache, self.blocks)
+        parts = (self.namespace, face, self.control, self.metrics, self.source)
         self.operations = Operations(
             *parts, kernel_pages=self.kernel_pages, kernel_hits=self.kernel_hits
         )

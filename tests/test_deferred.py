@@ -1,4 +1,4 @@
-"""A miss answered before its fetch (fs/deferred.py, cache/deferred.py), at the handlers: the
+"""A miss answered before its fetch (cache/deferred.py), at the handlers: the
 kernel may hold the pages of a file opened before, so its next miss fetches only when a
 read reaches the daemon, and never serves another version than the open answered."""
 

@@ -1,5 +1,5 @@
 """Files evicted from RAM but still in the kernel's page cache, through the mount: their
-reopens are answered before any fetch (fs/deferred.py), so the source sends what the
+reopens are answered before any fetch (cache/deferred.py), so the source sends what the
 daemon serves, not what the kernel serves from its own pages (issue 23); with kernel hits
 the daemon never sees those reads at all. A file changed
 while the kernel holds its pages is test_identity_mount.py's (the reopen's check sees it)."""

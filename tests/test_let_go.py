@@ -77,9 +77,9 @@ def test_a_lazy_open_of_a_kept_file_is_deferred_and_counts_a_kernel_hit() -> Non
             assert isinstance(got, Deferred)
             got.answered()
             if key == read:
-                entry = await got.fetch()  # its first read: the staged bytes
-                assert len(entry.data) == SIZE
-                cache.unpin(entry.data)
+                view = await got.read()  # its first read: the staged bytes
+                assert len(view) == SIZE
+                cache.unpin(view.obj)
             else:
                 got.drop()  # released unread: the kernel served it
         assert cache.metrics.kernel_hits == 1

@@ -210,7 +210,7 @@ def _run_epochs(m, files: list[str], epochs: int, seed: int) -> list[float]:
             with open(m.mnt / rel, "rb") as f:
                 # The kernel's pages go first, as in a dataset larger than the page cache:
                 # else it serves a miss itself and the daemon never fetches nor admits it
-                # (fs/deferred.py), and the policies would rank a different stream.
+                # (cache/deferred.py), and the policies would rank a different stream.
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 f.read()
         after = m.stats()

@@ -54,7 +54,7 @@ def make_source(root: Path) -> Path:
 def _read_from_daemon(path: str) -> None:
     """Read a file whole with the kernel's pages of it dropped first, so that the reads
     reach the daemon: a miss whose reads the kernel serves is neither fetched nor admitted
-    (fs/deferred.py), and these tests are about what the daemon admits."""
+    (cache/deferred.py), and these tests are about what the daemon admits."""
     with open(path, "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         f.read()

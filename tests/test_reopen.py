@@ -1,4 +1,4 @@
-"""The hit path's verified reopens (fs/opened.py, `Operations.open`): a reopen of a file
+"""The hit path's verified reopens (cache/face.py `reopen`, `Operations.open`): a reopen of a file
 verified in RAM skips the namespace, yet counts, pins and serves as any hit, and whatever
 changes the node, its entry or its check sends the open back through the full path."""
 
@@ -23,6 +23,11 @@ async def _open_read_release(ops, ino: int) -> bytes:
         await ops.release(fh)
 
 
+def _record(svc, ino: int) -> bytes | None:
+    """The bytes the hit path would serve for `ino` (its record, while it holds)."""
+    return svc.operations.cache.verified_bytes(ino)
+
+
 def _no_namespace(ns) -> None:
     def opening(ino: int) -> None:
         raise AssertionError("a verified reopen asked the namespace")
@@ -35,7 +40,7 @@ async def test_a_reopen_is_a_hit_without_the_namespace_and_counts_as_one(tmp_pat
     ops, svc = make_fs(src)
     ino = await lookup_path(ops, "d/f")
     assert await _open_read_release(ops, ino) == b"x" * 5000  # the miss verifies its entry
-    assert ino in svc.namespace.verified
+    assert _record(svc, ino) is not None
     cache = svc.cache
     hits, reads = svc.metrics.hits, cache.readers.tracker.count[0]
     _no_namespace(svc.namespace)
@@ -56,12 +61,12 @@ async def test_an_evicted_entry_is_fetched_again_by_the_full_path(tmp_path: Path
     ino = await lookup_path(ops, "d/f")
     await _open_read_release(ops, ino)
     assert await svc.cache.evict(ino)
-    assert ino not in svc.namespace.verified  # the record left with its entry
+    assert _record(svc, ino) is None  # the record left with its entry
     misses = svc.metrics.misses
     assert await _open_read_release(ops, ino) == b"abc"
     assert svc.metrics.misses == misses + 1  # (deferred: the kernel may hold its pages)
     assert await _open_read_release(ops, ino) == b"abc"
-    assert ino in svc.cache.entries and ino in svc.namespace.verified
+    assert ino in svc.cache.entries and _record(svc, ino) is not None
 
 
 async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path: Path) -> None:
@@ -78,9 +83,9 @@ async def test_a_changed_file_is_served_in_its_new_version_once_checked(tmp_path
     new, fi = await open_path(ops, ino, "d/f")
     assert new != ino and bytes(await ops.read(fi.fh, 0, 100)) == b"changed"
     await ops.release(fi.fh)
-    assert ino not in svc.namespace.verified
+    assert _record(svc, ino) is None
     assert await _open_read_release(ops, new) == b"changed"
-    assert svc.namespace.verified[new][0].sig.size == 7
+    assert len(_record(svc, new) or b"") == 7
 
 
 async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> None:
@@ -93,15 +98,15 @@ async def test_a_forget_or_a_forced_check_drops_the_record(tmp_path: Path) -> No
         await _open_read_release(ops, ino)
     changes = ns.changes
     await ops.forget([(f, 1)])
-    assert f not in ns.verified and g in ns.verified and ns.changes > changes
+    assert _record(svc, f) is None and _record(svc, g) is not None and ns.changes > changes
     await ops.forget([(g, 1)])  # (the kernel still holds one: its pages may be gone)
-    assert g not in ns.verified and g in ns.table
+    assert _record(svc, g) is None and g in ns.table
     await _open_read_release(ops, g)
     await ns.fresh_stat(g, force=True)  # unchanged: the record stays true
-    assert g in ns.verified
+    assert _record(svc, g) is not None
     (src / "d" / "g").write_bytes(b"22")
     await ns.fresh_stat(g, force=True)
-    assert g not in ns.verified
+    assert _record(svc, g) is None
     new, fi = await open_path(ops, g, "d/g")  # ESTALE: the new version is a new node
     assert new != g and bytes(await ops.read(fi.fh, 0, 100)) == b"22"
     await ops.release(fi.fh)
@@ -112,7 +117,7 @@ async def test_a_write_open_of_a_verified_file_is_refused(tmp_path: Path) -> Non
     ops, svc = make_fs(src)
     ino = await lookup_path(ops, "d/f")
     await _open_read_release(ops, ino)
-    assert ino in svc.namespace.verified
+    assert _record(svc, ino) is not None
     with pytest.raises(pyfuse3.FUSEError) as exc:
         await ops.open(ino, os.O_WRONLY, CTX)
     assert exc.value.errno == errno.EROFS

@@ -37,7 +37,7 @@ from shadefs.cache.hits import Hits
 from shadefs.cache.policies import Owned, Policy, make_policy
 from shadefs.cache.ssd.store import SsdStore
 from shadefs.cache.ssd.tier import SsdTier
-from shadefs.file_version import Signature, StatLike
+from shadefs.file_version import Signature, StatLike, serves
 from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import Got, Item, PrefetchSettings
 from shadefs.prefetch.prefetcher import Prefetcher
@@ -97,10 +97,11 @@ class Cache(Hits):
         self.pending = self.readers.pending
         self._init_hits()
         self.entries: dict[int, Entry] = {}
-        # Entries that an open found to be their node's version, with the node's check
-        # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
-        # A record: (entry, check time, the file's tracker id or -1, the entry's bytes).
-        self.reopens: dict[int, tuple[Entry, float, int, bytes]] = {}
+        # Entries that an open found to be their node's version (`verify`), until the
+        # node's next check is due: the hit path's (`reopen`). A record leaves with its
+        # entry, or when the node changes (`unverify`). A record: (entry, when the node's
+        # check is due, the file's tracker id or -1, the entry's bytes).
+        self._reopens: dict[int, tuple[Entry, float, int, bytes]] = {}
         self.used = self.admitted = self.evictions = self.refused = 0  # bytes; counters
         self.shared_fetches = self.ram_hits = 0
         self.blocked = 0.0  # seconds that opens spent waiting for the source
@@ -186,7 +187,7 @@ class Cache(Hits):
         pid: int = 0,
         lazy: bool = False,
         sig: Signature | None = None,
-    ) -> Entry | Deferred[Entry] | None:
+    ) -> Entry | Deferred | None:
         """Bytes for a new handle (pinned till `unpin`) and their version's signature, or
         None: read it through. `pid`: the reader (the readers part finds its job); `sig`:
         `st`'s, if known. A miss may meet another version than `st`'s, or only its start if
@@ -207,13 +208,52 @@ class Cache(Hits):
             self._pin(key, got)
         return got
 
+    def reopen(self, key: int, pid: int) -> bytes | None:
+        """The hit path: the bytes of `key`'s resident entry, pinned, if an open verified
+        them (`verify`) and the node's check is not due, and RAM still serves the file whole
+        (not blocks, after a budget shrank); else None (open it). A hit of reader `pid`."""
+        rec = self._reopens.get(key)
+        if rec is None:
+            return None
+        # (The record's fields by index, its entry untouched: each object read is a likely
+        # cache miss on a warm open, where the kernel and the readers ran in between.)
+        data = rec[3]
+        if self._clock() >= rec[1] or len(data) > self.ram_max:
+            return None
+        self.hit(key, data, pid, rec[2])
+        return data
+
+    def verified_bytes(self, key: int) -> bytes | None:
+        """What `reopen` would serve, unpinned and uncounted (a later read of it)."""
+        rec = self._reopens.get(key)
+        if rec is None or self._clock() >= rec[1] or len(rec[3]) > self.ram_max:
+            return None
+        return rec[3]
+
+    def verify(self, key: int, data: bytes, sig: Signature, path: bytes, until: float) -> None:
+        """An open found that `data`, which it serves, is version `sig` of the file at `path`,
+        checked at the source until `until`: if they are `key`'s resident entry, `reopen`
+        serves them till then. (Bytes read through another path or version are not: the
+        next open decides again.)"""
+        entry = self.entries.get(key)
+        if entry is None or entry.data is not data or entry.where != hash(path):
+            return
+        if serves(entry.sig, len(data), sig):
+            # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
+            i = self.readers.tracker.id_of.get(key, -1)
+            self._reopens[key] = (entry, until, -1 if i is None else i, data)
+
+    def unverify(self, key: int) -> None:
+        """Node `key` changed or the kernel forgot it: its next open decides again."""
+        self._reopens.pop(key, None)
+
     def _pin(self, key: int, got: Entry) -> None:
         entry = self.entries.get(key)
         self.handles.pin(got.data, entry is not None and entry.data is got.data)
 
     async def _miss(
         self, key: int, path: bytes, st: StatLike, sig: Signature, reader: Job, lazy: bool
-    ) -> Entry | Deferred[Entry] | None:
+    ) -> Entry | Deferred | None:
         """`open` past the RAM tier: the SSD tier, staging, pass-through or a fetch."""
         ssd, prefetcher, job = self.ssd, self.prefetcher, reader.row
         self.policy.accessed(key, False, job)
@@ -250,7 +290,10 @@ class Cache(Hits):
             self.handle_passthrough += 1
             return None
         if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
-            return Deferred(self.fetch, self.handles, self.metrics, key, path, st)
+            ledger = self.handles
+            return Deferred(
+                self.fetch, ledger.unpin, ledger, ledger.kernel, self.metrics, key, path, st
+            )
         return await self.fetch(key, path, st, pin=False)
 
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:
@@ -369,7 +412,7 @@ class Cache(Hits):
         if self._hits:
             self.take_hits()  # (while it is resident: its logged hits move its entry)
         entry = self.entries.pop(key)
-        self.reopens.pop(key, None)
+        self._reopens.pop(key, None)
         self.used -= len(entry.data)
         self.policy.removed(key)
         self.handles.evicted(entry.data)

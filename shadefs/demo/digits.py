@@ -106,7 +106,7 @@ def load_gray(path: str) -> Any:
     with open(path, "rb") as f:
         # The kernel's pages of the file go first: this dataset fits in memory, the one the
         # demo stands for does not, and a miss the kernel serves itself would never reach
-        # the cache (shadefs answers a miss before its fetch: fs/deferred.py).
+        # the cache (shadefs answers a miss before its fetch: cache/deferred.py).
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         img = Image.open(f)
         return img.convert("L")

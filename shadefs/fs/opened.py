@@ -8,11 +8,10 @@ forgets it, so what either holds is still true of the node:
 
 - `_opened`: the stat and path of the files opened last, at most `OPENED_KEPT` (cleared as
   a whole when full: a dataset larger than that rebuilds them at most opens).
-- `verified`: per node, the RAM entry that an open found to be the node's version by its
-  current path, and the row's check time then (operations.py, `_verify`). A reopen that
-  finds one before the check is due is a hit without the namespace: one dict lookup. The
-  dict is the cache's `reopens` (the RAM tier drops a record with its entry), so it holds
-  a small tuple per resident file at most.
+- the cache's record, per node, of the RAM entry that an open found to be the node's
+  version by its current path (cache/face.py, `verify`): a reopen that finds one before
+  the check is due is a hit without the namespace. The cache keeps it (and drops it with
+  its entry); the namespace tells it of each change (`on_change`, the cache's `unverify`).
 
 `changes` counts the drops: an open that awaited (a fetch, a check at the source) records
 what it verified only if no node changed meanwhile.
@@ -21,13 +20,19 @@ what it verified only if no node changed meanwhile.
 from __future__ import annotations
 
 import errno
-from typing import Any
+from collections.abc import Callable
 
 import pyfuse3
 
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat
 
 OPENED_KEPT = 4096
+
+
+def _nothing(ino: int) -> None:
+    pass
+
+
 _ROW = 0xFFFFFFFF
 
 
@@ -39,14 +44,14 @@ class OpenRecords:
 
     def _init_records(self) -> None:
         self._opened: dict[int, tuple[Stat, bytes, Snapshot, int]] = {}
-        # (the data path shares the cache's here: operations.py; entries are its business)
-        self.verified: dict[int, Any] = {}
+        # Told of each change: the cache's `unverify` (fs/operations.py sets it).
+        self.on_change: Callable[[int], None] = _nothing
         self.changes = 0
 
     def _changed(self, ino: int) -> None:
         """Node `ino`'s row, stat, path or check time changed, or the kernel forgot it."""
         self._opened.pop(ino, None)
-        self.verified.pop(ino, None)
+        self.on_change(ino)
         self.changes += 1
 
     def opening(self, ino: int) -> tuple[Stat, bytes, float]:

@@ -25,15 +25,13 @@ from typing import cast
 import pyfuse3
 from pyfuse3 import FileHandleT, FlagT, InodeT
 
-from shadefs.cache.blocks import BlockHandle, Blocks
-from shadefs.cache.coordinator import Cache
+from shadefs.cache.block_handle import BlockHandle
 from shadefs.cache.deferred import Deferred
-from shadefs.cache.entry import Entry
 from shadefs.cache.extents import advise
+from shadefs.cache.face import CacheFace
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
-from shadefs.file_version import Signature, StatLike
-from shadefs.fs.deferred import Deferrals
+from shadefs.file_version import Changed, Signature, StatLike
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
 from shadefs.fs.namespace import Namespace
@@ -75,11 +73,10 @@ class Operations(ReadOnly):
     def __init__(
         self,
         ns: Namespace,
-        cache: Cache,
+        cache: CacheFace,
         control: Control,
         metrics: Metrics,
         source: Source,
-        blocks: Blocks | None = None,
         *,
         kernel_pages: KernelPages,
         kernel_hits: bool = False,
@@ -88,7 +85,6 @@ class Operations(ReadOnly):
         # FUSE no-open mode (kernel/no_open.py): every open answers ENOSYS, and a read's
         # `fh` is its inode.
         self.kernel_hits = metrics.no_open = kernel_hits
-        self.blocks = blocks
         self._blk: dict[FileHandleT, BlockHandle] = {}
         self.ns = ns
         self._clock = ns.clock  # (the namespace's: the ages of its checks)
@@ -106,12 +102,13 @@ class Operations(ReadOnly):
         self._random: set[FileHandleT] = set()  # pass-through handles read at random
         self._partial: dict[int, list[int]] = {}  # kernel hits: inode -> [handle, users]
         self._failed: dict[int, float] = {}  # kernel hits: inode -> when a READ of it failed
-        # Misses fetched at their first read, where the kernel may hold the pages.
-        # (`kernel_pages`: the service's one map, which the cache's deferred opens feed)
-        self.deferrals = Deferrals(ns, cache.unpin, kernel_pages)
-        # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
-        self._verified = ns.verified = cache.reopens
-        self._unpin = cache.handles.unpin
+        # Misses fetched at their first read (cache/deferred.py), where the kernel may hold
+        # the pages (`kernel_pages`: the service's one map, which deferred opens feed).
+        self._later: dict[FileHandleT, Deferred] = {}
+        self._kernel = kernel_pages
+        ns.on_change = cache.unverify  # a node's change ends the hit path's record of it
+        self._reopen = cache.reopen
+        self._unpin = cache.unpin
         self._settle = cache.take_hits  # before every handler but a hit's (fs/guard.py)
         self._next_fh = 1
         self._hit_info = pyfuse3.FileInfo(fh=0, keep_cache=True)  # (`_hit_open`'s answer)
@@ -137,9 +134,11 @@ class Operations(ReadOnly):
                     if ino in self._partial:
                         await self._let_go(ino)
         self.ns.forget(list(inode_list))
-        self.deferrals.forget(inode_list)
-        for ino, _ in inode_list:  # (also a partial forget: the kernel's pages may be gone)
-            self._verified.pop(ino, None)
+        # (also a partial forget: the kernel's pages may be gone)
+        self._kernel.forget(ino for ino, _ in inode_list)
+        unverify = self.cache.unverify
+        for ino, _ in inode_list:
+            unverify(ino)
 
     async def getattr(self, inode: InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if Control.owns(inode):
@@ -224,21 +223,15 @@ class Operations(ReadOnly):
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo | Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
-        an open verified since its node last changed (fs/opened.py; an evicted entry's
-        record goes with it). The node's check must not be due, and the file still RAM's to
-        serve (not blocks', after a budget shrank). PASS: `open`."""
-        rec = self._verified.get(inode)
-        if rec is None or flags & _WRITE_FLAGS or self.kernel_hits:
+        an open verified since its node last changed (cache/face.py, `reopen`). PASS:
+        `open`."""
+        if flags & _WRITE_FLAGS or self.kernel_hits:
             return PASS
-        # (The record's fields by index, its entry untouched: each object read is a likely
-        # cache miss on a warm open, where the kernel and the readers ran in between.)
-        data = rec[3]
-        cache, ns = self.cache, self.ns
-        if self._clock() - rec[1] >= ns.revalidate or len(data) > cache.ram_max:
+        data = self._reopen(inode, ctx.pid)
+        if data is None:
             return PASS
         # (Nor is the kernel told of the open (KernelPages.opened): it was at the open that
         # verified, and a forget since would have dropped the record.)
-        cache.hit(inode, data, ctx.pid, rec[2])
         fh = self._next_fh
         self._next_fh = fh + 1
         self._inode_of[fh] = inode
@@ -279,60 +272,67 @@ class Operations(ReadOnly):
         due = self._clock() - checked >= self.ns.revalidate
         if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
             raise await self._retire(inode)
-        # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
+        # Defer a miss's fetch where the kernel may serve every read (cache/deferred.py). Not
         # for a no-open read: the kernel asks because it lacks the pages.
-        seen = self.deferrals.kernel.opened(inode)  # False: the kernel holds no pages of it
+        kernel = self._kernel
+        seen = kernel.opened(inode)  # False: the kernel holds no pages of it
         if self.kernel_hits:
             # A READ: the kernel lacks the pages. Of a file it was thought to hold, it says
             # the kernel's pages are being reclaimed (speculation stages such files again).
             if seen:
-                self.deferrals.kernel.served(False)
+                kernel.served(False)
             seen = lazy = False
         else:
-            lazy = seen and self.deferrals.kernel.worth_deferring()
-        sig = Signature.of(st)  # the version looked up: what every check below compares to
-        for _ in range(2):
-            if st.st_size > self.cache.ram_max:  # the one added test on the hit path
-                blocks = self.blocks
-                if blocks is not None and blocks.takes(inode, st.st_size):
-                    return await self._open_blocks(blocks, inode, path, st)
-            try:
-                entry = await self.cache.open_entry(inode, path, st, pid, lazy, sig)
-                if entry is None:  # read through: the kernel may keep no pages of it
-                    return await self._open_through(inode, path, st)
-                if isinstance(entry, Deferred):
-                    if await self.deferrals.changed(inode, entry):
-                        entry.drop()  # a new version is a new node
-                        raise await self._retire(inode)
-                    self.deferrals.add(fh := self._handle(inode), inode, entry)
-                    return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # the version looked up
-            except pyfuse3.FUSEError as exc:
-                if exc.errno in MOVED:
-                    raise self.ns.stale(inode) from None
-                raise
-            if entry is self.cache.entries.get(inode) or (
-                entry.sig == sig and len(entry.data) == st.st_size
-            ):
-                break  # a hit (the cache checked it), or the version looked up, whole
-            # The source had another version than the one looked up: the node is retired
+            lazy = seen and kernel.worth_deferring()
+        sig = Signature.of(st)  # the version looked up: the one the cache serves, whole
+        try:
+            got = await self.cache.open(inode, path, st, pid, lazy=lazy, sig=sig)
+        except pyfuse3.FUSEError as exc:
+            if exc.errno in MOVED:
+                raise self.ns.stale(inode) from None
+            raise
+        except Changed:
+            # The source has another version than the one looked up: the node is retired
             # (ESTALE, as when the path now leads to another file), never served under the
-            # old version's inode and size. Or a fetch shared with an open that looked
-            # up a smaller size was cut: fetch again.
-            self.cache.unpin(entry.data)
+            # old version's inode and size.
             if await self.ns.fresh_stat(inode, force=True):
-                raise await self._retire(inode)
-        else:  # cut twice: never serve a version that no open asked for
-            raise pyfuse3.FUSEError(errno.EIO)
-        self._mem[fh := self._handle(inode)] = entry.data  # unpinned at release
-        resident = self.cache.entries.get(inode)  # (a miss's is another tuple)
-        if resident is not None and resident.data is entry.data and changes == self.ns.changes:
-            self._verify(inode, resident, sig, path, checked)
+                raise await self._retire(inode) from None
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        data = got.data
+        if data is None:
+            if got.later is not None:
+                return await self._open_later(inode, got.later)
+            if got.block is not None:
+                self._blk[fh := self._handle(inode)] = got.block
+                # Only a file whose every block is resident may keep the kernel's pages:
+                # otherwise they could outlive a change that this open has just revalidated.
+                return pyfuse3.FileInfo(fh=fh, keep_cache=got.keep)
+            return await self._open_through(inode, path, st)
+        self._mem[fh := self._handle(inode)] = data  # unpinned at release
+        if changes == self.ns.changes:  # (the hit path's record: only the resident entry's)
+            self.cache.verify(inode, data, sig, path, checked + self.ns.revalidate)
         # (Not while answering a no-open read: the kernel holds the pages it reads locked.)
         push = not self.kernel_hits and (not seen or self._drops.push(fh))
-        if push and push_pages(inode, fh, entry.data, self._inode_of):
-            self.metrics.bytes_served += len(entry.data)  # the kernel has them all
+        if push and push_pages(inode, fh, data, self._inode_of):
+            self.metrics.bytes_served += len(data)  # the kernel has them all
         # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def _open_later(self, inode: InodeT, later: Deferred) -> pyfuse3.FileInfo:
+        """A miss whose fetch waits for the handle's first read: answered with the kernel's
+        pages once one lstat shows that the source still has the version looked up (else
+        the node is retired, as at any open)."""
+        try:
+            changed = await self.ns.fresh_stat(inode, force=True)
+        except BaseException:
+            later.drop()
+            raise
+        if changed:
+            later.drop()
+            raise await self._retire(inode)
+        self._later[fh := self._handle(inode)] = later
+        later.answered()
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # the version looked up
 
     async def _retire(self, inode: int) -> pyfuse3.FUSEError:
         """ESTALE for an open of a node whose file has a new version (its cached bytes go)."""
@@ -345,22 +345,7 @@ class Operations(ReadOnly):
         no open of them is served again, and the new node has its own."""
         while self.ns.retired:
             inode, stale = self.ns.retired.pop()
-            await self.cache.evict(inode, stale=stale)  # stale_entries, or evictions
-            if self.blocks is not None:
-                await (self.blocks.retire(inode) if stale else self.blocks.evict(inode))
-
-    def _verify(
-        self, inode: int, entry: Entry, sig: Signature, path: bytes, checked: float
-    ) -> None:
-        """Keep for the node's reopens that its resident `entry` is its version (`sig`, found
-        at `path`, checked at `checked`): the hit path in `open` serves it while the record
-        lasts (the namespace drops it when the node changes, the cache with the entry)."""
-        data = entry.data
-        if entry.sig == sig and entry.where == hash(path) and len(data) == sig.size:
-            # (the tracker id: the hit path's read needs no lookup; -1 if none yet)
-            i = self.cache.readers.tracker.id_of.get(inode, -1)
-            self._verified[inode] = (entry, checked, -1 if i is None else i, data)
-        # (else read through another path or version: the cache decides at each open)
+            await self.cache.drop(inode, stale=stale)  # stale_entries, or evictions
 
     async def _open_through(self, inode: InodeT, path: bytes, st: StatLike) -> pyfuse3.FileInfo:
         fd, now = await self.source.open_file(path)
@@ -384,21 +369,6 @@ class Operations(ReadOnly):
         self._inode_of[fh] = inode
         return fh
 
-    async def _open_blocks(
-        self, blocks: Blocks, inode: InodeT, path: bytes, st: StatLike
-    ) -> pyfuse3.FileInfo:
-        """A large file, cached in blocks (cache/blocks.py)."""
-        got = await blocks.open(inode, path, st)
-        if got is None:  # another version at the path: the node is retired (`_open_through`)
-            if await self.ns.fresh_stat(inode, force=True):
-                raise await self._retire(inode)
-            raise pyfuse3.FUSEError(errno.EIO)
-        handle, resident = got
-        self._blk[fh := self._handle(inode)] = handle
-        # Only a file whose every block is resident may keep the kernel's pages: otherwise
-        # they could outlive a change that this open has just revalidated.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=resident)
-
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         if self.kernel_hits:
             return await self._read_node(fh, off, size)
@@ -415,17 +385,13 @@ class Operations(ReadOnly):
             return self.control.read(inode, off, size)
         if self.control.pending_plans:  # (no close is seen: control/files.py, Sessions)
             self.control.install_plans()
-        rec = self._verified.get(inode)
-        if rec is not None:
-            data = rec[3]
-            cache = self.cache
-            if self._clock() - rec[1] < self.ns.revalidate and len(data) <= cache.ram_max:
-                if not off:
-                    cache.hit(inode, data, KERNEL_PID, rec[2])
-                    self._unpin(data)  # (`hit` pins for a handle; this read holds none)
-                chunk = cast(bytes, memoryview(data)[off : off + size])
-                self.metrics.bytes_served += len(chunk)
-                return chunk
+        data = self._reopen(inode, KERNEL_PID) if not off else self.cache.verified_bytes(inode)
+        if data is not None:
+            if not off:
+                self._unpin(data)  # (`reopen` pins for a handle; this read holds none)
+            chunk = cast(bytes, memoryview(data)[off : off + size])
+            self.metrics.bytes_served += len(chunk)
+            return chunk
         # A file the kernel reads in several READs (some at once: its read-ahead) keeps the
         # handle that the first opened (`_partial`: [handle, READs using it, whether one
         # reached the end]): its bytes are fetched once, whether or not the cache admitted
@@ -460,7 +426,8 @@ class Operations(ReadOnly):
         got[1] -= 1
         if len(chunk) < size or off + size >= self.ns.stat(inode).st_size:
             got[2] = 1  # read to its end
-        if got[2] or inode in self._verified:  # (verified: the next READs are served above)
+        # (verified: the next READs are served above)
+        if got[2] or self.cache.verified_bytes(inode) is not None:
             await self._let_go(inode, got)
         return chunk
 
@@ -495,15 +462,34 @@ class Operations(ReadOnly):
             self._next[fh] = off + size
             chunk = await self.source.pread(fd, size, off, fh in self._random)
         elif fh in self._blk:
-            assert self.blocks is not None
-            chunk = await self.blocks.read(self._blk[fh], off, size)
-        elif fh in self.deferrals.handles:  # its first read fetches (fs/deferred.py)
-            mv = self._mem[fh] = await self.deferrals.read(fh)
+            chunk = await self.cache.read_block(self._blk[fh], off, size)
+        elif fh in self._later:  # its first read fetches (cache/deferred.py)
+            mv = self._mem[fh] = await self._read_later(fh)
             chunk = cast(bytes, mv[off : off + size])
         else:
             return self.control.read(fh, off, size)
         self.metrics.bytes_served += len(chunk)
         return chunk
+
+    async def _read_later(self, fh: FileHandleT) -> memoryview:
+        """The bytes of a deferred handle (cache/deferred.py), which then serves them as any
+        RAM handle: its first read fetches, and every read sees the same outcome."""
+        later = self._later[fh]
+        try:
+            mv = await later.read()
+        except pyfuse3.FUSEError as exc:
+            if exc.errno in MOVED:
+                raise self.ns.stale(self._inode_of[fh]) from None
+            raise
+        except Changed:
+            # The file changed between the open and its first read: EIO (the kernel may
+            # have served this handle the old version's pages), and the node is due a
+            # check: its next open retires it, and the kernel's retry opens the new
+            # version under a new node.
+            await self.ns.fresh_stat(self._inode_of[fh], force=True)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        self._later.pop(fh, None)
+        return mv
 
     def _hit_release(self, fh: FileHandleT) -> None | Pass:
         """The release of a handle that serves resident bytes (every hit's): no coroutine
@@ -530,10 +516,9 @@ class Operations(ReadOnly):
             self._random.discard(fh)
             await self.source.close_fd(fd)
         elif fh in self._blk:
-            assert self.blocks is not None
-            await self.blocks.release(self._blk.pop(fh))
-        elif self.deferrals.release(fh):
-            pass
+            await self.cache.release_block(self._blk.pop(fh))
+        elif (later := self._later.pop(fh, None)) is not None:
+            later.drop()
         elif self.control.owns_handle(fh):
             self.control.release(fh)
 

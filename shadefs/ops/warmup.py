@@ -314,7 +314,7 @@ def read_file(path: str, buf: bytearray, beneath: Resolver | None = None) -> int
         fd, _ = beneath.open_regular(os.fsencode(os.path.relpath(path, root)))
     try:
         # The kernel's pages go first: it would serve a file it holds from them, and the
-        # daemon, which fetches at the first read that reaches it (fs/deferred.py), would
+        # daemon, which fetches at the first read that reaches it (cache/deferred.py), would
         # not cache the file.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         total = 0

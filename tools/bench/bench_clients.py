@@ -15,7 +15,7 @@ Clients (each reads a dataset of about `--data` bytes, written once into a temp 
 - parquet: `pq.read_table` of 4 files (footer first, then the column chunks, reopened);
 - fio: random 4k reads (`--io_size` a tenth of the data), then a sequential 1M read;
 - reread: 40 files read whole in a shuffled order each epoch, as a training loop does:
-  from epoch 2 the kernel holds the pages of the files that RAM evicted (fs/deferred.py);
+  from epoch 2 the kernel holds the pages of the files that RAM evicted (cache/deferred.py);
 - tar, sha256sum: `tar cf -` and `sha256sum` of an ImageFolder tree (1,500 files, 28 MiB):
   sequential tools, whose first pass shows what the SSD tier's write-behind costs.
 

@@ -9,7 +9,7 @@ come from the mount's stats.json (opens of regular files), over epochs 2..N. The
 
 Each read first drops the kernel's pages of its file (POSIX_FADV_DONTNEED), as with a
 dataset larger than the page cache: otherwise the kernel serves a miss that shadefs answers
-before its fetch (fs/deferred.py), and the daemon never fetches nor admits it.
+before its fetch (cache/deferred.py), and the daemon never fetches nor admits it.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Part `e2e` is in bench_jobs_e2e.py.
 
 Each read first drops the kernel's pages of its file (POSIX_FADV_DONTNEED), as with a
 dataset larger than the page cache: otherwise the kernel serves a miss that shadefs answers
-before its fetch (fs/deferred.py), and the daemon never fetches nor admits it.
+before its fetch (cache/deferred.py), and the daemon never fetches nor admits it.
 """
 
 from __future__ import annotations
