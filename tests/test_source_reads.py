@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from shadefs.cache.extents import advise, pread_stat
+from shadefs.cache.extents import pread_stat
 from shadefs.source import reads as source_reads
 from shadefs.source.part import Source
-from shadefs.source.reads import DEFAULT_PIECE, readahead_bytes, spread
+from shadefs.source.reads import DEFAULT_PIECE, advise, readahead_bytes, spread
 from tests.conftest import require_fuse
 
 MiB = 1 << 20

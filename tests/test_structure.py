@@ -283,6 +283,25 @@ def test_the_prefetch_part_never_imports_the_coordinator() -> None:
     assert _reach({"a": {"b"}, "b": {coordinator}}, "a")[coordinator] == ["a", "b", coordinator]
 
 
+# The file system sees the cache through its face (cache/face.py): one `open` whose result
+# says where the bytes are, the hit path's `reopen`, and the types of what an open returns.
+# It never reaches the coordinator, the tiers or blocks, nor shares their state.
+CACHE_FACE = {"shadefs.cache.face", "shadefs.cache.deferred", "shadefs.cache.block_handle"}
+
+
+def test_fs_sees_the_cache_only_through_its_face() -> None:
+    graph = import_graph()
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if _within(module, "shadefs.fs")
+        for target in targets
+        if _within(target, "shadefs.cache") and target not in CACHE_FACE | {"shadefs.cache"}
+    )
+    assert not wrong, "fs past the cache's face:\n  " + "\n  ".join(wrong)
+    assert graph["shadefs.fs.operations"] & CACHE_FACE  # (the walk sees fs's cache imports)
+
+
 def test_no_module_over_the_line_limit() -> None:
     long = {
         str(path.relative_to(PACKAGE.parent)): n

@@ -52,10 +52,11 @@ from shadefs.cache.block_files import block_tier, count_open, drop_blocks
 from shadefs.cache.block_handle import BlockHandle
 from shadefs.cache.block_keys import PIECE_BIT, block_key, block_relpath
 from shadefs.cache.coordinator import Cache
-from shadefs.cache.extents import EXTENT, Ranges, advise, pread_stat, streak, streams
+from shadefs.cache.extents import EXTENT, Ranges, pread_stat, streak, streams
 from shadefs.cache.flights import Flight, flying
 from shadefs.file_version import Signature, StatLike
 from shadefs.source.part import Source
+from shadefs.source.reads import advise
 from shadefs.stats import BlockStats
 
 log = logging.getLogger(__name__)

@@ -62,7 +62,6 @@ __all__ = [
     "PieceTier",
     "Ranges",
     "TouchLog",
-    "advise",
     "extent_span",
     "pread_stat",
     "streak",
@@ -327,18 +326,6 @@ def extent_span(off: int, end: int, base: int, extent: int) -> tuple[int, int]:
     """(first, stop): the extents of the block at `base` that [off, end) touches (the grid
     starts at the block's start, so no extent straddles two blocks)."""
     return (off - base) // extent, -(-(end - base) // extent)
-
-
-def advise(fd: int, random: bool) -> None:
-    """Tell the kernel how a source descriptor is read. The reads that reach the daemon
-    were already sized by the mount's own read-ahead; a random reader's would otherwise
-    set off the source filesystem's read-ahead as well, which fetches pages nobody reads
-    (an LMDB reader through the mount would pull about twice what it pulls direct).
-    Inline: fadvise only sets a flag on the open file, it does no I/O."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_NORMAL)
-    except OSError:
-        pass
 
 
 def pread_stat(

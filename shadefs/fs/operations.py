@@ -27,7 +27,6 @@ from pyfuse3 import FileHandleT, FlagT, InodeT
 
 from shadefs.cache.block_handle import BlockHandle
 from shadefs.cache.deferred import Deferred
-from shadefs.cache.extents import advise
 from shadefs.cache.face import CacheFace
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.control.files import Control
@@ -44,6 +43,7 @@ from shadefs.kernel.no_open import KERNEL_PID
 from shadefs.kernel.notify import PUSH_MAX, entries_forgotten, push_pages
 from shadefs.kernel.pages import BulkDrops, KernelPages
 from shadefs.source.part import OPENER, Source
+from shadefs.source.reads import advise
 from shadefs.stats import Metrics
 
 log = logging.getLogger(__name__)
