@@ -350,9 +350,13 @@ class Cache(Hits):
         single flight with readers, admits nothing. Per item None when a reader is fetching
         the file (and will cache it) or it grew past the bound; and the source's seconds
         per file."""
-        if self.ssd is not None:  # the SSD tier's entries are read from there
-            return await self.ssd.read_ahead(items, self._fly_many)
-        return await self._fly_many(items)
+        if self.ssd is None:
+            return await self._fly_many(items)
+        local = await self.ssd.read_ahead(items)  # the SSD tier's entries, read from there
+        rest = [item for item in items if item[0] not in local]
+        fetched, seconds = await self._fly_many(rest) if rest else ([], 0.0)
+        by_key = dict(zip([key for key, _, _ in rest], fetched, strict=True))
+        return [local[key] if key in local else by_key[key] for key, _, _ in items], seconds
 
     async def _fly_many(self, items: Sequence[Item]) -> tuple[list[Got], float]:
         src, note = self.source, self.fetchlog.note_many

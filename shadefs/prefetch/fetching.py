@@ -2,8 +2,8 @@
 it is told of, and the mount's prefetch settings.
 
 The cache owns the prefetcher (cache/coordinator.py) and hands it callables of these types;
-the SSD tier reads its staged entries through the same `FetchAhead` (cache/ssd/tier.py). So
-neither side imports the other's module for them.
+the SSD tier hands back the entries it holds as the same `Got`s (cache/ssd/tier.py), and the
+cache fetches the rest. So neither side imports the other's module for them.
 """
 
 from __future__ import annotations

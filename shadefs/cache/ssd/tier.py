@@ -42,7 +42,7 @@ from shadefs.cache.ssd.format import Verdict, disk_size, entry_size
 from shadefs.cache.ssd.store import SsdStore
 from shadefs.cache.ssd.writer import QUEUE_BYTES, Pending, WriteQueue
 from shadefs.file_version import Signature
-from shadefs.prefetch.fetching import FetchAhead, Got, Item
+from shadefs.prefetch.fetching import Got, Item
 from shadefs.stats import RestoreStats, SsdStats
 
 log = logging.getLogger(__name__)
@@ -189,12 +189,13 @@ class SsdTier:
         self.policy.accessed(key, True, job)
         return True
 
-    async def read_ahead(self, items: Sequence[Item], fetch: FetchAhead) -> tuple[list[Got], float]:
-        """The prefetcher's `fetch` of (key, path, size) `items`, those in the index read from
-        here instead, in one worker thread: after a drop of the page cache, one thread hop
-        per SSD hit costs the event loop more than the hit itself. Each comes with the
-        version it was written for, which the open that takes it compares (`took` counts
-        it then); None where an entry is gone or bad (its lookup will find out)."""
+    async def read_ahead(self, items: Sequence[Item]) -> dict[int, Got]:
+        """Of the prefetcher's (key, path, size) `items`, those this tier holds (indexed, or
+        queued for the disk), read in one worker thread: after a drop of the page cache,
+        one thread hop per SSD hit costs the event loop more than the hit itself. Each comes
+        with the version it was written for, which the open that takes it compares (`took`
+        counts it then); None where an entry is gone or bad (its lookup will find out). The
+        owner fetches the rest from the source."""
         local: dict[int, Got] = {}
         reads: list[tuple[int, bytes]] = []
         for key, _, _ in items:
@@ -207,10 +208,7 @@ class SsdTier:
         if reads:
             got = await trio.to_thread.run_sync(self._read_versions, reads, limiter=self._limiter)
             local.update(got)
-        rest = [item for item in items if item[0] not in local]
-        fetched, seconds = await fetch(rest) if rest else ([], 0.0)
-        by_key = dict(zip([key for key, _, _ in rest], fetched, strict=True))
-        return [local[key] if key in local else by_key[key] for key, _, _ in items], seconds
+        return local
 
     def _read_versions(self, reads: list[tuple[int, bytes]]) -> list[tuple[int, Got]]:
         return [(key, self.store.get_any(relpath)) for key, relpath in reads]
