@@ -48,7 +48,4 @@ def count_open(cache: Cache, key: int, first: int) -> None:
     block its first read needed (`first`) was cached in either tier."""
     bkey = block_key(key, first)
     ssd = cache.ssd
-    if bkey in cache.entries or (ssd is not None and bkey in ssd.index):
-        cache.metrics.hits += 1
-    else:
-        cache.metrics.misses += 1
+    cache.count_block_open(bkey in cache.entries or (ssd is not None and bkey in ssd.index))

@@ -161,7 +161,7 @@ class Blocks:
         # keep_cache: the kernel may serve every read from its pages and never ask us, so
         # the open is the shard's read as far as the policy can tell (as for whole files).
         h.counted = True
-        self.cache.metrics.hits += 1
+        self.cache.count_block_open(True)
         accessed = self.cache.block_accessed
         for i in range(h.nblocks):
             h.seen[i] = 1

@@ -270,9 +270,7 @@ class Cache(Hits):
             if data is None:
                 ssd.missed(key, job)
         if data is not None:  # the SSD tier's, staged from it or read now
-            self.metrics.hits += 1
-            reader.hits += 1
-            reader.bytes += st.st_size
+            self._tally(1, st.st_size, reader)
             self._admit(key, data, sig, hash(path))
             return Entry(data, sig)
         self.metrics.misses += 1

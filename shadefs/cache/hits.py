@@ -124,17 +124,31 @@ class Hits:
         self._count_hit(key, size, reader)
         self.handles.pin_resident(data)
 
+    def _tally(self, hits: int, size: int, reader: Job) -> None:
+        """`hits` opens served without the source, `size` bytes in all, by `reader`: the one
+        place the mount's and the job's hit counts grow (a tier counts its own as well:
+        `ram_hits`, `SsdTier.hits`)."""
+        self.metrics.hits += hits
+        reader.hits += hits
+        reader.bytes += size
+
+    def count_block_open(self, hit: bool) -> None:
+        """An open of a large file (cache/blocks.py): a hit if the block its first read
+        needed was cached, in the mount's counts (a block's reads count in its tiers')."""
+        if hit:
+            self.metrics.hits += 1
+        else:
+            self.metrics.misses += 1
+
     def _count_hit(self, key: int, size: int, reader: Job) -> None:
         self.policy.accessed(key, True, reader.row)
         self._counted((key,), size, reader)
 
     def _counted(self, keys: Sequence[int], size: int, reader: Job) -> None:
-        """The counters and the SSD tier's policy: hits of `keys`, `size` bytes in all."""
+        """The counters and the SSD tier's policy: RAM hits of `keys`, `size` bytes in all."""
         n = len(keys)
-        self.metrics.hits += n
         self.ram_hits += n
-        reader.hits += n
-        reader.bytes += size
+        self._tally(n, size, reader)
         ssd = self.ssd
         if ssd is not None:
             index, accessed, job = ssd.index, ssd.policy.accessed, reader.row
