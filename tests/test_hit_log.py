@@ -1,8 +1,9 @@
-"""The cache's hit log (cache/hits.py): logged hits end where hits taken one by one end.
+"""The cache's hit log (`Cache.hit`, `take_hits`): logged hits end where hits taken one by one
+end.
 
 A warm hit pins its bytes at once and logs the rest (the readers', the policies' and the
 counters' part); `take_hits` takes the log in, a batch of one job's hits through the
-tracker's numpy path (readers/batch.py). These tests run the same opens through a cache
+tracker's numpy path (`Tracker.read_many`). These tests run the same opens through a cache
 that logs and one that takes every hit at once, and compare everything the hits touch.
 """
 
@@ -15,13 +16,12 @@ import numpy as np
 import pytest
 import trio
 
-from shadefs.cache import hits as hits_module
+from shadefs.cache.coordinator import HIT_LOG
 from shadefs.cache.coordinator import Cache
 from shadefs.fs.guard import PASS, guard_handlers
-from shadefs.readers.batch import BATCH_MIN
 from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
-from shadefs.readers.tracker import Tracker
+from shadefs.readers.tracker import BATCH_MIN, Tracker
 from shadefs.stats import Metrics
 
 SIZE = 1000
@@ -148,7 +148,7 @@ def test_logged_hits_end_where_hits_taken_at_once_end(
 
 def test_a_plain_batch_goes_through_the_tracker_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """One job's hits within an epoch: no scalar read per hit (the numpy path ran)."""
-    n = hits_module.HIT_LOG + BATCH_MIN + 1  # (a log this short still goes by numpy)
+    n = HIT_LOG + BATCH_MIN + 1  # (a log this short still goes by numpy)
     cache = _cache(n)
     for key in range(n):
         _open(cache, key, 7)
@@ -165,7 +165,7 @@ def test_a_plain_batch_goes_through_the_tracker_once(monkeypatch: pytest.MonkeyP
     assert cache._hits  # the rest, still logged
     cache.take_hits()
     assert not one_by_one
-    assert [len(b[0]) for b in batches] == [hits_module.HIT_LOG, n - 1 - hits_module.HIT_LOG]
+    assert [len(b[0]) for b in batches] == [HIT_LOG, n - 1 - HIT_LOG]
 
 
 def _plain(t: Tracker, row: int, keys: list[int]) -> np.ndarray | None:

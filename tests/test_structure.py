@@ -25,8 +25,9 @@ MAX_LINES = 450
 ONE_CONCEPT = {
     "shadefs/fs/operations.py": "the pyfuse3 request handlers, one per request type",
     "shadefs/stats.py": "the one typed stats schema and its JSON form",
-    "shadefs/cache/coordinator.py": "the cache's face: RAM tier, single flight, accounting",
+    "shadefs/cache/coordinator.py": "the RAM tier: its entries, single flight, hits, accounting",
     "shadefs/prefetch/prefetcher.py": "the staging buffer and the scheduler that fills it",
+    "shadefs/readers/tracker.py": "the one epoch tracker: reads, epochs, demand, one or many",
 }
 ONE_CONCEPT_MAX = 800
 UI_LIBRARIES = ("rich", "tqdm", "matplotlib", "torch", "PIL")

@@ -8,7 +8,7 @@ that a bug answers EIO with a logged traceback, and the request is counted (stat
 
 A handler `name` may have a synchronous hit path `_hit_<name>`, tried first: a warm open
 and its release then cost no coroutine beyond the wrapper's. It returns `PASS` when the
-handler must answer. What a hit path leaves for later (the cache's hit log, cache/hits.py)
+handler must answer. What a hit path leaves for later (the cache's hit log, `Cache.hit`)
 is taken in by the instance's `_settle` before any handler runs, so that no other request
 meets a read out of its order.
 """

@@ -45,7 +45,6 @@ from typing import Protocol
 
 import numpy as np
 
-from shadefs.readers.batch import SETTLE_MAX, BatchReads
 from shadefs.readers.ids import IdTable
 
 log = logging.getLogger(__name__)
@@ -56,6 +55,11 @@ log = logging.getLogger(__name__)
 NEW_EPOCH = 0.9
 _GROW = 2
 _SETTLE_FILES = 1 << 14  # files whose listings join universes per `settle` (~15 ms)
+
+
+SETTLE_MAX = 1 << 16  # the most first reads waiting for their directory's listing
+# A log shorter than this is taken in one by one (numpy's per-call cost would exceed it).
+BATCH_MIN = 8
 
 
 class Listing(Protocol):
@@ -84,7 +88,7 @@ def _no_listings(key: int) -> Listing | None:
     return None
 
 
-class Tracker(BatchReads):
+class Tracker:
     """The per-file columns, the per-job rows and the one epoch rule (see the module)."""
 
     def __init__(self, listing_of: ListingOf | None = None) -> None:
@@ -444,3 +448,51 @@ class Tracker(BatchReads):
         self.size[row] += int(len(ids) - np.count_nonzero(universe[ids]))
         universe[ids] = True
         return True
+
+    # --- many reads at once -----------------------------------------------------------
+    #
+    # Many hits of one job taken in at once, in numpy.
+    #
+    # `Tracker.read` takes one open in with a handful of scalar updates of per-file columns; in
+    # the daemon each of them meets its cache line cold, since the readers and the kernel ran
+    # between two requests (~2 us a read). The cache logs its warm hits and takes them in by the
+    # batch (`Cache.take_hits`); a batch that nothing special happens in is taken in here
+    # with one numpy gather and scatter per column, which is what `read` one by one would
+    # have done.
+
+    def read_many(self, keys: list[int], row: int, ids: list[int]) -> np.ndarray | None:
+        """`read(keys[k], row, ids[k])` for k in order, in numpy, if the batch is plain:
+        the job is active, every id known and distinct, the first key not the job's latest
+        open (a reopen), and no file read by the job this epoch already (a re-read may
+        begin its next epoch or break it: `read`'s rule, one by one). Returns each id's
+        rank after the batch (no id's rank moves but by its own read); None: nothing was
+        done, the caller reads one by one."""
+        if row not in self.active or self._prev[row] == keys[0] or min(ids) < 0:
+            return None
+        if len(set(ids)) != len(ids):
+            return None
+        idx = np.array(ids, dtype=np.int64)
+        e = self.epoch[row]
+        last = self.last[row]
+        was = last[idx]
+        if was.max() >= e:
+            return None
+        universe = self.universe[row]
+        new = ~universe[idx]
+        if new.any():  # first reads: the files join the job's universe (`read`)
+            universe[idx] = True
+            self.size[row] += int(new.sum())
+            for key in np.asarray(keys, dtype=np.int64)[new].tolist():
+                if key >= 0 and len(self._unsettled) < SETTLE_MAX:
+                    self._unsettled.extend((row, key))  # its directory may join later
+        want = self.want[idx]
+        want -= was == e - 1
+        self.want[idx] = want
+        done = self.done[idx] + 1
+        self.done[idx] = done
+        last[idx] = e
+        self.count[row] += len(ids)
+        self._prev[row] = keys[-1]
+        self.read_key = -1  # (the policies are told by the batch's ranks)
+        ranks: np.ndarray = want.astype(np.int64) * self.ranks + done
+        return ranks
