@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import trio
 
-from shadefs.cache.coordinator import HIT_LOG
-from shadefs.cache.coordinator import Cache
+from shadefs.cache.coordinator import HIT_LOG, Cache
 from shadefs.fs.guard import PASS, guard_handlers
 from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
