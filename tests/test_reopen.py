@@ -1,4 +1,4 @@
-"""The hit path's verified reopens (fs/opened.py, `Operations.open`): a reopen of a file
+"""The hit path's verified reopens (fs/namespace.py, `Operations.open`): a reopen of a file
 verified in RAM skips the namespace, yet counts, pins and serves as any hit, and whatever
 changes the node, its entry or its check sends the open back through the full path."""
 

@@ -24,6 +24,7 @@ MAX_LINES = 450
 # only scatter (docs/design.md §9: one concept stays whole), up to ONE_CONCEPT_MAX lines.
 ONE_CONCEPT = {
     "shadefs/fs/operations.py": "the pyfuse3 request handlers, one per request type",
+    "shadefs/fs/namespace.py": "inode <-> path: the table, snapshots, a node's version",
     "shadefs/stats.py": "the one typed stats schema and its JSON form",
     "shadefs/cache/coordinator.py": "the cache's face: RAM tier, single flight, accounting",
     "shadefs/prefetch/prefetcher.py": "the staging buffer and the scheduler that fills it",

@@ -98,7 +98,7 @@ class Cache(Hits):
         self._init_hits()
         self.entries: dict[int, Entry] = {}
         # Entries that an open found to be their node's version, with the node's check
-        # time (fs/operations.py's hit path; fs/opened.py): a record leaves with its entry.
+        # time (fs/operations.py's hit path; fs/namespace.py): a record leaves with its entry.
         # A record: (entry, check time, the file's tracker id or -1, the entry's bytes).
         self.reopens: dict[int, tuple[Entry, float, int, bytes]] = {}
         self.used = self.admitted = self.evictions = self.refused = 0  # bytes; counters

@@ -55,7 +55,7 @@ class InodeNumbers:
     changed_files: int
 
     def _changed(self, ino: int) -> None:
-        raise NotImplementedError  # the namespace's (fs/opened.py): drop what opens kept
+        raise NotImplementedError  # the namespace's (fs/namespace.py): drop what opens kept
 
     def _init_numbers(self) -> None:
         self._foreign = {}

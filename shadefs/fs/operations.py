@@ -109,7 +109,7 @@ class Operations(ReadOnly):
         # Misses fetched at their first read, where the kernel may hold the pages.
         # (`kernel_pages`: the service's one map, which the cache's deferred opens feed)
         self.deferrals = Deferrals(ns, cache.unpin, kernel_pages)
-        # The hit path's records (fs/opened.py): the cache's, which the namespace drops too.
+        # The hit path's records (fs/namespace.py): the cache's, which the namespace drops too.
         self._verified = ns.verified = cache.reopens
         self._unpin = cache.handles.unpin
         self._settle = cache.take_hits  # before every handler but a hit's (fs/guard.py)
@@ -224,7 +224,7 @@ class Operations(ReadOnly):
         self, inode: InodeT, flags: FlagT, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.FileInfo | Pass:
         """The hit path, run before `open` (`_guarded`): a reopen of a file whose RAM entry
-        an open verified since its node last changed (fs/opened.py; an evicted entry's
+        an open verified since its node last changed (fs/namespace.py; an evicted entry's
         record goes with it). The node's check must not be due, and the file still RAM's to
         serve (not blocks', after a budget shrank). PASS: `open`."""
         rec = self._verified.get(inode)
@@ -277,7 +277,7 @@ class Operations(ReadOnly):
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         due = self._clock() - checked >= self.ns.revalidate
-        if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
+        if due and await self.ns.fresh_stat(inode):  # a new version: a new node (namespace.py)
             raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (fs/deferred.py). Not
         # for a no-open read: the kernel asks because it lacks the pages.
@@ -331,7 +331,7 @@ class Operations(ReadOnly):
         push = not self.kernel_hits and (not seen or self._drops.push(fh))
         if push and push_pages(inode, fh, entry.data, self._inode_of):
             self.metrics.bytes_served += len(entry.data)  # the kernel has them all
-        # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
+        # keep_cache: a node is one version (fs/namespace.py), and so are its pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def _retire(self, inode: int) -> pyfuse3.FUSEError:
