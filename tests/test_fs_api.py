@@ -103,7 +103,7 @@ async def test_forget_bounds_the_table(tmp_path: Path) -> None:
     assert len(names) == 200
     ns = svc.namespace
     assert len(ns.table) == 202  # root, d, 200 files counted by readdirplus
-    await ops.forget([(ns.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
+    await ops.forget([(ns.numbers.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
     assert len(ns.table) == 2
 
 

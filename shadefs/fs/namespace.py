@@ -88,7 +88,7 @@ class _Moved(Exception):
     """A directory's path leads to another directory now (raised in a worker thread)."""
 
 
-class Namespace(InodeNumbers, Relisting):
+class Namespace(Relisting):
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -109,8 +109,13 @@ class Namespace(InodeNumbers, Relisting):
         root_st = source.root_stat()
         if not stat.S_ISDIR(root_st.st_mode):
             raise NotADirectoryError(source.root)
-        self.dev = root_st.st_dev
-        self.root_ino = root_st.st_ino
+        #: FUSE inode numbers from the source's (st_dev, st_ino)
+        self.numbers = InodeNumbers(root_st.st_dev, root_st.st_ino)
+        #: (number, stale) of nodes whose cached bytes no open will be served again, for
+        #: the data path to drop: stale, a node that lost its file or version to a fresh
+        #: number (`claim`); not, a fresh number the kernel forgot (its file gets its own
+        #: back)
+        self.retired: list[tuple[int, bool]] = []
         _, rows, _ = scan_rows([(b"", root_st)])
         # Slot 0: the root's own entry (its path is b"").
         root = Snapshot(0, b"", [b""], rows, np.array([ROOT_INODE], np.uint64), self.clock())
@@ -123,7 +128,6 @@ class Namespace(InodeNumbers, Relisting):
         self.table.set(ROOT_INODE, 0)
         #: directory inode -> the slot of its current snapshot
         self.listings: dict[int, int] = {}
-        self._init_numbers()
         # A listing in flight per directory: its end, and its error (EIO: shared, below).
         self._listing_flights: dict[int, tuple[trio.Event, list[int]]] = {}
         # What opens read of a node, for its next open: dropped when its row, stat or path
@@ -193,7 +197,7 @@ class Namespace(InodeNumbers, Relisting):
         dst, st = await self.source.run(self.source.paths.lstat_in, rel)
         if dst.st_ino != pino:
             raise self.stale(parent)
-        ino = self.ino_of(st)
+        ino = self.numbers.ino_of(st)
         _, rows, _ = scan_rows([(name, st)])
         snap = Snapshot(parent, ppath, [name], rows, np.array([ino], np.uint64), self.clock())
         self._place(snap)
@@ -266,6 +270,58 @@ class Namespace(InodeNumbers, Relisting):
         for k in known:
             self.remember(int(inos[k]), snap, rows[k])
 
+    def claim(self, ino: int, snap: Snapshot, i: int) -> int:
+        """The number to hand the kernel for row `i` of `snap` (whose number is `ino`): a
+        fresh one when the kernel references `ino` for a different file or another version
+        of a regular file: another signature (a rename or a hard link keep the number and
+        move the node). Directories keep theirs (generation 0: the kernel never retires
+        them; cwd survives a rename).
+
+        A FUSE open or read names the node only, not its generation: when a reused inode
+        number moved the node to the new file, an open the kernel had queued on the old
+        file's inode (before it handled the lookup that retires it) was served the new
+        file's bytes. So the old node stays on its old row (its path leads elsewhere now:
+        ESTALE or ENOENT), and the new file gets a fresh number (inode_numbers.py)."""
+        val = self.table.get(ino)
+        if val < 0 or val >> 32 == snap.slot:
+            return ino  # not referenced, or this listing's row (or its hard link's)
+        old = self._snaps[val >> 32]
+        assert old is not None
+        oi = val & _ROW
+        if stat.S_ISDIR(int(snap.rows["st_mode"][i])):
+            return ino
+        ost, nst = old.stat(oi), snap.stat(i)
+        if stat.S_IFMT(ost.st_mode) == stat.S_IFMT(nst.st_mode) and Signature.of(
+            ost
+        ) == Signature.of(nst):
+            return ino
+        if (old.dirino, old.name(oi)) == (snap.dirino, snap.name(i)):
+            if not stat.S_ISREG(nst.st_mode):
+                return ino  # a symlink's new version under its name: no pages to tell apart
+            # A new version under its name (a reused number elsewhere is not counted), once
+            # per node: an open's check may have seen it (-inf), and a node forgotten while
+            # the kernel retried is renumbered again.
+            self.changed_files += int(old.checked[oi] != -np.inf)
+        # Its number is another file's now, or another version's (`fresh_stat`): the old
+        # node's file is gone or changed, so its next open checks the path (ESTALE, and the
+        # kernel's retry finds what is there). The old node stays the old version.
+        old.checked[oi] = -np.inf
+        self._changed(ino)
+        self.retired.append((ino, True))
+        fresh = self.numbers.renumber(ino)
+        snap.ino[i] = fresh
+        return fresh
+
+    def claim_rows(self, snap: Snapshot, lo: int, hi: int) -> list[int]:
+        """`claim` of rows lo..hi-1 before readdirplus hands them out; their numbers. Only
+        rows that are not their inode's node yet and whose number the kernel references
+        are looked at (one plain loop over the table)."""
+        inos: list[int] = snap.ino[lo:hi].tolist()
+        for k in self.table.held(inos):
+            if not snap.lookups[lo + k]:
+                inos[k] = self.claim(inos[k], snap, lo + k)
+        return inos
+
     def _move(self, ino: int, old: Snapshot, oi: int, new: Snapshot, i: int, t: float) -> None:
         self._changed(ino)
         new.lookups[i] = old.lookups[oi]
@@ -290,7 +346,8 @@ class Namespace(InodeNumbers, Relisting):
                 continue
             snap.lookups[i] = 0
             table.pop(ino)
-            self.forget_number(ino)
+            if self.numbers.forget(ino):
+                self.retired.append((ino, False))
             self._changed(ino)
             self._drop_listing(ino)
             self._release(snap)
@@ -387,7 +444,7 @@ class Namespace(InodeNumbers, Relisting):
             if exc.errno in GONE or force:
                 raise
             return False
-        if self.ino_of(st) != ino or stat.S_IFMT(st.st_mode) != stat.S_IFMT(old.st_mode):
+        if self.numbers.ino_of(st) != ino or stat.S_IFMT(st.st_mode) != stat.S_IFMT(old.st_mode):
             raise self.stale(ino)  # the path names another file now
         self.revalidations += 1
         changed = Signature.of(st) != Signature.of(old)
@@ -504,7 +561,7 @@ class Namespace(InodeNumbers, Relisting):
         finally:
             del self._listing_flights[ino]
             flight[0].set()
-        snap = Snapshot(ino, path, names, rows, self._inos(rows, devs), self.clock())
+        snap = Snapshot(ino, path, names, rows, self.numbers.inos(rows, devs), self.clock())
         # The kernel may have forgotten the directory while we listed it.
         if ino in self.table:
             self._adopt(snap)
@@ -551,7 +608,7 @@ class Namespace(InodeNumbers, Relisting):
                     if exc.errno in GONE:
                         continue
                     raise
-                inos = self._inos(rows, devs)
+                inos = self.numbers.inos(rows, devs)
             out.fill(idxs, [splits[i][2] for i in idxs], names, rows, inos)
         return out
 
