@@ -215,7 +215,7 @@ async def test_a_directory_listed_for_speculation_still_finds_new_names(tmp_path
     ops, svc = make_fs(src)
     ns = svc.namespace
     d, a = await lookup_path(ops, "d"), await lookup_path(ops, "d/a")
-    assert ns.listing_of_file(a) is None and d in ns._relist  # asked of the relisting task
+    assert ns.listing_of_file(a) is None and d in ns.relisting._asked  # asked of the relisting task
     await ns.listing(d, quiet=True)  # (what that task does)
     assert d in ns.listings
     (src / "d" / "new").write_bytes(b"new file")

@@ -71,7 +71,7 @@ from shadefs.file_version import Signature
 from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.records import Node, Resolved
-from shadefs.fs.relisting import Relisting
+from shadefs.fs.relisting import RelistQueue
 from shadefs.fs.revalidate import GONE, MOVED
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.kernel.notify import forget_entry
@@ -88,7 +88,7 @@ class _Moved(Exception):
     """A directory's path leads to another directory now (raised in a worker thread)."""
 
 
-class Namespace(Relisting):
+class Namespace:
     """Maps FUSE inodes to source paths and serves attributes from snapshots."""
 
     def __init__(
@@ -136,7 +136,8 @@ class Namespace(Relisting):
         # (the data path shares the cache's here: operations.py; entries are its business)
         self.verified: dict[int, Any] = {}
         self.changes = 0
-        self._init_relisting()
+        #: directories to list again in the background (`relist`)
+        self.relisting = RelistQueue()
 
     def describe(self) -> NamespaceStats:
         return NamespaceStats(
@@ -144,7 +145,7 @@ class Namespace(Relisting):
             changed_files=self.changed_files,
             inodes_known=len(self.table),
             directories_listed=len(self.listings),
-            directories_relisted=self.relisted,
+            directories_relisted=self.relisting.relisted,
         )
 
     # --- the table ----------------------------------------------------------------------
@@ -188,7 +189,7 @@ class Namespace(Relisting):
             # Listed by the daemon for itself (speculation) before the name was made: answer
             # as if it were not listed, or a new file is missing by path until `revalidate`.
         else:
-            self._want_listing(parent)  # (the names after this one: from that listing)
+            self.relisting.looked_up(parent)  # (the names after this one: from that listing)
         # Not listed: ask the source about this one name, and keep its row on its own. The
         # name is looked up in the directory the parent is (its path may lead elsewhere now).
         psnap, pi = self.locate(parent)
@@ -364,7 +365,7 @@ class Namespace(Relisting):
     def _drop_listing(self, ino: int) -> None:
         slot = self.listings.pop(ino, None)
         if slot is not None:
-            self._lost_listing(ino)
+            self.relisting.lost(ino)
             snap = self._snaps[slot]
             assert snap is not None
             self._maybe_free(snap)
@@ -582,6 +583,35 @@ class Namespace(Relisting):
         if not path:
             entries = [e for e in entries if e[0] != NAME]
         return scan_rows(entries)
+
+    def listing_of_file(self, ino: int) -> Snapshot | None:
+        """The listing of the directory holding file `ino`, if it was listed whole; else
+        None, and the directory is listed in the background so that a later call finds it
+        (fs/relisting.py)."""
+        try:
+            snap, _ = self.locate(ino)
+        except pyfuse3.FUSEError:
+            return None
+        if self.listings.get(snap.dirino) == snap.slot:
+            return snap
+        self.relisting.ask(snap.dirino)
+        return None
+
+    async def relist(self) -> None:
+        """List the directories asked for (fs/relisting.py), one at a time; runs until
+        cancelled (unmount)."""
+        while True:
+            ino = await self.relisting.next()
+            listed = False
+            try:
+                # (Forgotten meanwhile: nothing to list. Listed meanwhile: done.)
+                if ino in self.table and ino not in self.listings:
+                    await self.listing(ino, quiet=True)
+                    listed = True
+            except pyfuse3.FUSEError as exc:
+                log.debug("listing directory %d again failed: errno %d", ino, exc.errno)
+            finally:
+                self.relisting.done(ino, listed)
 
     async def resolve(self, paths: Sequence[bytes]) -> Resolved:
         """Inode, size and mode of many relative paths, listing each parent directory once.
