@@ -1,4 +1,5 @@
-"""The inode <-> path table, stat snapshots and directory listings.
+"""The namespace: the inode <-> path table, stat snapshots, directory listings and the
+version each node stands for.
 
 Inode numbers come from the source's (st_dev, st_ino) (inode_numbers.py). The table only
 holds what the kernel references (`forget` drops the rest): a million-file tree costs
@@ -12,10 +13,12 @@ Per-file state is compact (snapshots.py): a node is a snapshot row; its path is 
 snapshot's directory path plus the row's name. A node moves to the row the kernel last heard
 of it by (readdirplus, lookup): a refreshed listing, a rename, a hard link's other name, a
 reused inode number (unless the kernel still references the node for another file or
-another version of a regular file: a fresh number, `claim` and `fresh_stat`). A
-directory whose stat changed on the way loses its listing. A path is only where a file was:
-an open whose path leads elsewhere gets ESTALE (`stale`), and the kernel's one retry looks
-the names up again (docs/developer-notes.md, "Identity").
+another version of a regular file: a fresh number, `claim` and `fresh_stat`). A directory
+whose stat changed on the way loses its listing. A path is only where a file was: an open
+whose path leads elsewhere gets ESTALE (`stale`), and the kernel's one retry looks the names
+up again (docs/developer-notes.md, "Identity"). A directory whose listing went with its
+inode is listed again in the background once its names are looked up one by one (`relist`,
+relisting.py).
 
 When the source is not answering, revalidation falls back to what it has: cached files keep
 being served and `ls` works on the last snapshot. The source never follows a symlink
