@@ -37,8 +37,8 @@ retry looks the name up again and opens the new node, while handles of the old o
 old version to its end.
 
 Every open of a regular file asks for the node's stat, its path and the time of its last
-signature check (`opening`): a table lookup, a row unpacked and a path joined, some 3 µs at
-20,000 files. Two records spare a reopen that work. Both are dropped together (`_changed`)
+signature check (`opening`): a table lookup, a row unpacked and a path joined. Two records
+spare a reopen that work. Both are dropped together (`_changed`)
 whenever the node's row, stat, path or check time changes or the kernel forgets it, so what
 either holds is still true of the node:
 

@@ -2,10 +2,11 @@
 by one: which ones, in what order, and how many were listed.
 
 The namespace answers a lookup from its listing of the parent. Without one, each name costs
-its own lstat in a worker thread, a thread hop per file (~0.3 ms of the daemon's CPU on a
-2-core VM). That is every lookup after the kernel forgot a listed directory (`drop_caches`,
-or memory pressure on a training node: the listing goes with the directory's inode) until
-someone lists it again, which nobody did once the readers knew every file. So the first such
+its own lstat in a worker thread, a thread hop per file (docs/developer-notes.md, "A
+directory the kernel forgot is listed again", has its cost). That is every lookup after the
+kernel forgot a listed directory (`drop_caches`, or memory pressure on a training node: the
+listing goes with the directory's inode) until someone lists it again, which nobody did
+once the readers knew every file. So the first such
 lookup in a directory that had a listing asks for one (`looked_up`), made by the namespace's
 `relist` task in the background, one directory at a time; the lookups meanwhile go on by
 lstat, the ones after it are answered from the listing (a quiet one: a name it lacks is still
