@@ -52,4 +52,4 @@ def serves(got: Signature, size: int, want: Signature) -> bool:
 class Changed(Exception):
     """The source has another version of a file than the one looked up: its bytes are not
     served under the old version. The file system checks the node and retires it
-    (fs/revalidate.py)."""
+    (`Namespace.fresh_stat`)."""

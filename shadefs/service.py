@@ -115,7 +115,7 @@ class Service:
             max_entry=opts.max_entry,
             handle_limit=opts.handle_limit,
             ssd=ssd,
-            key_of_ino=self.namespace.key_of_ino,
+            key_of_ino=self.namespace.numbers.key_of_ino,
             prefetch=prefetch,
             readers=self.readers,
             owns=self.sampling.owns_key,

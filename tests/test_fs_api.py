@@ -5,27 +5,28 @@ from __future__ import annotations
 import errno
 import json
 import os
-import time
 from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from shadefs.control.entries import DIR_INODE, NAME
 from shadefs.fs.namespace import ROOT_INODE
 from shadefs.fs.operations import Operations
 from shadefs.options import MountOptions
 from shadefs.service import Service
-from tests.conftest import FakeCtx, make_tree
+from tests.conftest import FakeClock, FakeCtx, make_tree
 
 CTX = FakeCtx()
 
 
 def make_fs(src: Path, **kw) -> tuple[Operations, Service]:
     """The handlers of a service built for `src`, and the service (its parts). `clock`: the
-    parts' clock (a FakeClock, which the test moves), else the real one."""
-    clock = kw.pop("clock", time.monotonic)
+    parts' clock, a FakeClock that moves only when the test moves it (a fresh one if not
+    given): no in-process test depends on real time passing."""
+    clock = kw.pop("clock", None) or FakeClock()
     opts = MountOptions(
         source=str(src), mountpoint="/nonexistent", ram=kw.pop("ram", 1 << 20), **kw
     )
@@ -103,7 +104,7 @@ async def test_forget_bounds_the_table(tmp_path: Path) -> None:
     assert len(names) == 200
     ns = svc.namespace
     assert len(ns.table) == 202  # root, d, 200 files counted by readdirplus
-    await ops.forget([(ns.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
+    await ops.forget([(ns.numbers.ino_of((src / "d" / n.decode()).lstat()), 1) for n in names])
     assert len(ns.table) == 2
 
 
@@ -175,11 +176,12 @@ async def test_concurrent_misses_fetch_once(tmp_path: Path) -> None:
     ino = await lookup_path(ops, "f")
     real = source.read_file
     calls = 0
+    answer = trio.Event()
 
     async def slow_read(rel: bytes, size: int | None = None):
         nonlocal calls
         calls += 1
-        await trio.sleep(0.1)
+        await answer.wait()  # the source answers once every reader waits
         return await real(rel, size)
 
     source.read_file = slow_read
@@ -191,6 +193,9 @@ async def test_concurrent_misses_fetch_once(tmp_path: Path) -> None:
     async with trio.open_nursery() as n:
         for _ in range(8):
             n.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert calls == 1 and not datas  # one fetch, which the other seven opens joined
+        answer.set()
     assert calls == 1 and len(datas) == 8
     assert svc.cache.shared_fetches == 7
     assert all(d == (src / "f").read_bytes() for d in datas)

@@ -90,9 +90,10 @@ def test_a_refused_file_is_held_in_staging_for_the_members_behind() -> None:
         source = _CountingSource(delay=0.01)
         pending = PendingReads(lambda key: key if 0 <= key < 20 else -1)
         pending.reset(20)
-        readers = Readers(JobTable(proc=ProcInfo("/nonexistent")), pending)
+        # (the parts keep trio's time, virtual here as the source's delays are)
+        readers = Readers(JobTable(proc=ProcInfo("/nonexistent"), clock=trio.current_time), pending)
         cache = Cache(source, Metrics(), capacity=8000, prefetch=PrefetchSettings(10_000),  # type: ignore[arg-type]
-                      readers=readers)  # fmt: skip
+                      readers=readers, clock=trio.current_time)  # fmt: skip
         pf = cache.prefetcher
         assert pf is not None
         kept, misses = list(range(8)), list(range(8, 14))

@@ -215,7 +215,7 @@ async def test_a_directory_listed_for_speculation_still_finds_new_names(tmp_path
     ops, svc = make_fs(src)
     ns = svc.namespace
     d, a = await lookup_path(ops, "d"), await lookup_path(ops, "d/a")
-    assert ns.listing_of_file(a) is None and d in ns._relist  # asked of the relisting task
+    assert ns.listing_of_file(a) is None and d in ns.relisting._asked  # asked of the relisting task
     await ns.listing(d, quiet=True)  # (what that task does)
     assert d in ns.listings
     (src / "d" / "new").write_bytes(b"new file")
@@ -260,7 +260,7 @@ async def test_a_node_the_kernel_holds_never_serves_the_file_that_took_its_numbe
     assert new != old  # a number the kernel holds for a/x is not handed to b/y
     assert await read_all(ops, new) == NEW
     await ops.forget([(new, 2)])
-    assert not svc.namespace._renumbered  # forgotten: b/y's inode gets its own number back
+    assert not svc.namespace.numbers._renumbered  # forgotten: b/y's inode gets its own number back
 
 
 async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
@@ -281,7 +281,7 @@ async def test_a_node_keeps_its_version_and_size_for_the_handles_reading_it(
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.open(ino, os.O_RDONLY, CTX)
         assert e.value.errno == errno.ESTALE
-    new = svc.namespace.ino_of((src / "d" / "f").lstat())
+    new = svc.namespace.numbers.ino_of((src / "d" / "f").lstat())
     assert new != ino and (await ops.getattr(new, CTX)).st_size == len(OLD) + 5000
     assert (await ops.getattr(ino, CTX)).st_size == len(OLD) == svc.namespace.stat(ino).st_size
     assert bytes(await ops.read(fi.fh, len(OLD) - 10, 4096)) == OLD[-10:]  # the old version

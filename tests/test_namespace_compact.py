@@ -88,7 +88,7 @@ async def test_hard_links_in_one_directory_hold_a_reference_each(tmp_path: Path)
     ns = svc.namespace
     d = await lookup_path(ops, "d")
     assert await readdir_names(ops, d) == [b"a", b"b", b"c"]
-    ino = ns.ino_of((src / "d" / "a").lstat())
+    ino = ns.numbers.ino_of((src / "d" / "a").lstat())
     assert ns.node(ino).lookups == 2  # readdirplus handed out a and b: two references
     await ops.forget([(ino, 1)])
     assert ns.node(ino).lookups == 1
@@ -133,9 +133,9 @@ async def test_forgetting_every_child_frees_the_snapshot_but_not_the_listing(
     assert len(ns.table) == 52
     snap = ns._snaps[ns.listings[d]]
     assert snap is not None and snap.refs == 50
-    ino = ns.ino_of((src / "d" / "f7").lstat())
+    ino = ns.numbers.ino_of((src / "d" / "f7").lstat())
     assert ns.node(ino).path == b"d/f7" and ns.stat(ino).st_size == 7
-    await ops.forget([(ns.ino_of((src / "d" / f"f{i}").lstat()), 1) for i in range(50)])
+    await ops.forget([(ns.numbers.ino_of((src / "d" / f"f{i}").lstat()), 1) for i in range(50)])
     assert snap.refs == 0 and ns.listings[d] == snap.slot  # still d's listing
     await ops.forget([(d, 1)])
     assert d not in ns.listings and ns._snaps[snap.slot] is None
@@ -150,7 +150,7 @@ async def test_a_refreshed_listing_takes_over_every_node(tmp_path: Path) -> None
     d = await lookup_path(ops, "d")
     await readdir_names(ops, d)
     old = ns._snaps[ns.listings[d]]
-    same, changed = (ns.ino_of((src / "d" / n).lstat()) for n in ("same", "changed"))
+    same, changed = (ns.numbers.ino_of((src / "d" / n).lstat()) for n in ("same", "changed"))
     clock.advance(0.6)
     (src / "d" / "changed").write_bytes(b"longer")
     await readdir_names(ops, d)  # refreshed: readdirplus tells the kernel again
@@ -159,7 +159,7 @@ async def test_a_refreshed_listing_takes_over_every_node(tmp_path: Path) -> None
     assert ns.locate(same)[0] is new and ns.node(same).lookups == 2
     # The changed file's new version is a new node, under a fresh number; the old node
     # stays the old version (the kernel's inode of it may have handles still reading).
-    now = ns.ino_of((src / "d" / "changed").lstat())
+    now = ns.numbers.ino_of((src / "d" / "changed").lstat())
     assert now != changed and ns.locate(now)[0] is new and ns.stat(now).st_size == 6
     assert ns.locate(changed)[0] is old and ns.stat(changed).st_size == 1
     assert ns.describe().changed_files == 1
@@ -203,7 +203,7 @@ async def test_resolve_answers_arrays_and_marks_the_missing(tmp_path: Path) -> N
     assert found.size.tolist()[:2] == [2, 3] and found.size[6] == 1
     assert stat.S_ISLNK(int(found.mode[3]))
     assert [bool(m) for m in found.mode.tolist()] == [1, 1, 0, 1, 0, 0, 1, 0]
-    assert found.ino[0] == ns.ino_of((src / "c" / "bb").lstat())
+    assert found.ino[0] == ns.numbers.ino_of((src / "c" / "bb").lstat())
     assert len(ns.table) == 1  # nothing kept
 
 

@@ -24,9 +24,12 @@ from shadefs.cache.policies import BeladyPolicy
 from shadefs.kernel.pages import KernelPages
 from shadefs.prefetch.fetching import SSD
 from shadefs.prefetch.prefetcher import Plan, Prefetcher
-from tests.conftest import poll, require_fuse, shadefs_cmd
+from tests.conftest import FakeClock, poll, require_fuse, shadefs_cmd
 
 REPO = Path(__file__).resolve().parents[1]
+# When a plan's reads happen, for the tests of cursors and next uses (none looks at the
+# reader's pace, which a read's time feeds): a fixed time, not the real clock.
+READ_AT = 1000.0
 
 
 # --- Belady against an exhaustive MIN -------------------------------------------------
@@ -63,7 +66,7 @@ def belady_hits(trace: list[int], cap: int) -> int:
     resident: set[int] = set()
     hits = 0
     for x in trace:
-        plan.observe(x, time.monotonic())  # the reader moves past x
+        plan.observe(x, READ_AT)  # the reader moves past x
         if x in resident:
             hits += 1
             policy.accessed(x, True)
@@ -115,8 +118,9 @@ async def _never_fetched(items: object) -> None:
     raise AssertionError("the scheduling tests fetch nothing")
 
 
-def _prefetcher(window: int, **kw) -> Prefetcher:
-    return Prefetcher(_never_fetched, _not_cached, window=window, **kw)
+def _prefetcher(window: int, tier_of=_not_cached, **kw) -> Prefetcher:
+    """A prefetcher on a clock that moves only when the test moves it."""
+    return Prefetcher(_never_fetched, tier_of, window=window, clock=FakeClock(), **kw)
 
 
 def _plan(name: str, keys: list[int], size: int = 100) -> Plan:
@@ -179,7 +183,7 @@ def test_an_ssd_entry_is_left_to_the_kernel_only_without_opens(no_open: bool) ->
     entry anyway, and staging it spares the reader that read."""
     kernel = KernelPages()
     kernel.opened(7)
-    pf = Prefetcher(_never_fetched, lambda key: SSD, window=10_000, kernel=kernel, no_open=no_open)
+    pf = _prefetcher(10_000, lambda key: SSD, kernel=kernel, no_open=no_open)
     pf.add_plan(_plan("a", [7]))
     assert (pf._next_item() is None) == no_open
 
@@ -320,14 +324,14 @@ def test_a_late_read_of_a_replayed_sample_does_not_jump_the_cursor() -> None:
     plan = Plan("r", np.array(order, dtype=np.uint64), [b""] * 1000, np.ones(1000))
     for pos in range(0, 100):
         if pos != 10:
-            plan.observe(order[pos], time.monotonic())
+            plan.observe(order[pos], READ_AT)
     assert plan.cursor == 10  # the first position not read yet
-    plan.observe(7, time.monotonic())  # the late copy at 10, not the one at 900
+    plan.observe(7, READ_AT)  # the late copy at 10, not the one at 900
     assert plan.cursor == 100
     assert plan.next_use(7) == 800  # its next use is the copy at 900
     for pos in range(100, 900):
-        plan.observe(order[pos], time.monotonic())
-    plan.observe(7, time.monotonic())  # now it is the copy at 900
+        plan.observe(order[pos], READ_AT)
+    plan.observe(7, READ_AT)  # now it is the copy at 900
     assert plan.cursor == 901
 
 
@@ -349,7 +353,7 @@ def test_interleaved_workers_on_a_replayed_order_end_the_plan_only_at_its_end() 
         for j in range(64):
             reads += [int(b[j]) for b in group if j < len(b)]
     for i, key in enumerate(reads):
-        plan.observe(key, time.monotonic())
+        plan.observe(key, READ_AT)
         assert not plan.done or i == len(reads) - 1, f"done after {i + 1} of {n} reads"
         assert i + 1 - plan.cursor <= 4 * 64  # never further behind than the batches in flight
     assert plan.done
@@ -364,7 +368,7 @@ def test_a_groups_staged_file_waits_for_every_member() -> None:
         return [(b"abc", sig) for _ in items], 1e-5
 
     async def run() -> None:
-        pf = Prefetcher(fetch, _not_cached, window=10_000)
+        pf = Prefetcher(fetch, _not_cached, window=10_000, clock=FakeClock())
         plan = _plan("group", [1, 2])
         plan.readers = 3  # three members read this plan, each at its own pace
         pf.add_plan(plan)
@@ -414,13 +418,21 @@ class _CountingSource:
 
 
 def _cache(source: _CountingSource, window: int = 10_000):
+    """A cache over `source`, inside a trio run: its parts keep trio's time, which the
+    tests run virtual (a MockClock), as the source's delays are."""
     from shadefs.cache.coordinator import Cache
     from shadefs.prefetch.fetching import PrefetchSettings
     from shadefs.stats import Metrics
 
     # Room for 8 files (one file may take an eighth of the budget); tests `drop()` them to
     # make a second read a miss.
-    return Cache(source, Metrics(), capacity=8000, prefetch=PrefetchSettings(window))  # type: ignore[arg-type]
+    return Cache(
+        source,  # type: ignore[arg-type]
+        Metrics(),
+        capacity=8000,
+        prefetch=PrefetchSettings(window),
+        clock=trio.current_time,
+    )
 
 
 def test_a_reader_and_a_prefetch_of_the_same_file_share_one_fetch() -> None:
@@ -443,7 +455,7 @@ def test_a_reader_and_a_prefetch_of_the_same_file_share_one_fetch() -> None:
         assert cache.shared_fetches == 1 and cache.fetchlog.refetches == 0
         assert 2 not in pf.staged  # its reader had it: nothing left to stage
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_full_window_refills_in_batches_not_a_fetch_per_read() -> None:
@@ -493,7 +505,7 @@ def test_the_prefetcher_skips_what_workers_read_ahead_of_the_cursor() -> None:
         assert set(pf.staged) == {1, 2, 4}
         assert cache.fetchlog.refetches == 0
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
@@ -510,7 +522,7 @@ def test_a_refetch_within_an_epoch_is_counted_and_a_new_epoch_forgets() -> None:
         stats = cache.describe().fetches
         assert (stats.source_fetches, stats.refetches) == (4, 1)
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_an_inferred_epoch_forgets_the_fetches_of_the_last() -> None:
@@ -522,7 +534,7 @@ def test_an_inferred_epoch_forgets_the_fetches_of_the_last() -> None:
             cache.drop()
         assert cache.fetchlog.refetches == 0 and cache.readers.tracker.epochs_of() == {0: 1}
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_replayed_sample_stays_staged_until_its_last_read_nearby() -> None:
@@ -548,7 +560,7 @@ def test_a_replayed_sample_stays_staged_until_its_last_read_nearby() -> None:
         assert sorted(source.fetches) == [b"p1", b"p2"] and pf.served == 3
         assert 1 not in pf.staged and cache.fetchlog.refetches == 0
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
@@ -571,7 +583,7 @@ def test_a_far_replay_is_held_within_a_quarter_of_the_window() -> None:
         assert sorted(source.fetches) == sorted(b"p%d" % k for k in set(order))
         assert pf._replay_bytes == 0 and not pf.staged
 
-    trio.run(run)
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_the_fetch_log_counts_a_refetch_of_each_file_fetched_before_in_its_epoch() -> None:
@@ -606,7 +618,7 @@ def test_a_plans_unread_keys_are_those_with_a_next_use() -> None:
     order = rng.integers(0, 300, 400)  # replays: some keys occur several times
     plan = Plan("u", order.astype(np.uint64), [b""] * 400, np.ones(400))
     for key in rng.permutation(order)[:250].tolist():
-        plan.observe(int(key), time.monotonic())
+        plan.observe(int(key), READ_AT)
     keys = np.arange(320, dtype=np.uint64)  # also keys the plan never reads
     want = [plan.next_use(int(k)) != math.inf for k in keys]
     assert plan.unread(keys).tolist() == want and 0 < sum(want) < 300

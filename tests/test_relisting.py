@@ -69,12 +69,12 @@ async def test_the_names_after_the_first_come_from_a_listing_made_again(
         lstats.clear()
         assert await look_up("d") == first
         assert lstats == [b"d", b"d/f00"]  # (the root was never listed), then d's listing
-        assert ns.relisted == 1 and ns.describe().directories_relisted == 1
+        assert ns.relisting.relisted == 1 and ns.describe().directories_relisted == 1
 
         # A directory never listed keeps its lookups by name: nothing listed for it.
         lstats.clear()
         await look_up("e")
-        assert len(lstats) == 1 + len(names) and ns.relisted == 1
+        assert len(lstats) == 1 + len(names) and ns.relisting.relisted == 1
         nursery.cancel_scope.cancel()
 
 
@@ -91,5 +91,5 @@ async def test_a_directory_forgotten_before_its_turn_is_not_listed(tmp_path: Pat
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ns.relist)
         await _settled(ns)
-        assert d not in ns.listings and ns.relisted == 0 and not ns._relist
+        assert d not in ns.listings and ns.relisting.relisted == 0 and not ns.relisting._asked
         nursery.cancel_scope.cancel()

@@ -291,7 +291,7 @@ async def test_the_operators_own_source_path_may_be_a_symlink(tree: tuple[Path, 
     alias = src.parent / "alias"
     alias.symlink_to(src)  # SRC given as a symlink: followed once, when the mount starts
     ops, svc = make_fs(alias)
-    assert svc.namespace.root_ino == src.stat().st_ino
+    assert svc.namespace.numbers.root_ino == src.stat().st_ino
     assert await read_all(ops, await lookup_path(ops, "c2/a.txt")) == LEGIT
 
 

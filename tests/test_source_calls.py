@@ -33,23 +33,29 @@ async def test_a_call_returns_its_result_or_raises_its_error() -> None:
     assert calls.limiter.borrowed_tokens == 0
 
 
-async def test_a_hung_call_times_out_and_keeps_its_thread_token() -> None:
-    # Real time: the worker thread blocks outside trio, so trio's clock must run freely.
+async def test_a_hung_call_times_out_and_keeps_its_thread_token(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # The worker thread blocks outside trio: its deadline passes in virtual time. Once it is
+    # released, the clock stands still (a thread's real time must not jump it to a deadline).
+    mock_clock.autojump_threshold = 0
     calls = Calls(trio.CapacityLimiter(2))
     gate, started = threading.Event(), threading.Event()
     t0 = trio.current_time()
     with pytest.raises(TimedOut):
         await calls.run(0.3, _blocked, gate, started)
-    assert 0.3 <= trio.current_time() - t0 < 5
+    assert trio.current_time() - t0 == pytest.approx(0.3)  # at its deadline, not before
     assert calls.limiter.borrowed_tokens == 1  # the thread is still stuck in its call
+    mock_clock.autojump_threshold = math.inf
     gate.set()
-    with trio.fail_after(10):
-        while calls.limiter.borrowed_tokens:
-            await trio.sleep(0.01)
+    await _threads_back(calls)
     assert await calls.run(0.3, len, b"ok") == 2  # and calls go on afterwards
 
 
-async def test_a_shorter_deadline_fires_first_whatever_the_order_of_the_calls() -> None:
+async def test_a_shorter_deadline_fires_first_whatever_the_order_of_the_calls(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    mock_clock.autojump_threshold = 0
     calls = Calls(trio.CapacityLimiter(4))
     gate = threading.Event()
     failed: list[str] = []
@@ -63,25 +69,26 @@ async def test_a_shorter_deadline_fires_first_whatever_the_order_of_the_calls() 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(call, "short", 0.2)
         nursery.start_soon(call, "long", 30)
-        with trio.fail_after(10):
+        with trio.fail_after(10):  # (virtual seconds)
             while not failed:
                 await trio.sleep(0.01)
-        assert failed == ["short"]
+        assert failed == ["short"] and trio.current_time() < 30
+        mock_clock.autojump_threshold = math.inf  # (its thread answers in real time)
         gate.set()  # the long one answers before its deadline
     assert failed == ["short"]
 
 
-async def test_a_cancelled_caller_abandons_its_call() -> None:
+async def test_a_cancelled_caller_abandons_its_call(mock_clock: trio.testing.MockClock) -> None:
+    mock_clock.autojump_threshold = 0
     calls = Calls(trio.CapacityLimiter(1))
     gate, started = threading.Event(), threading.Event()
     with trio.move_on_after(0.2) as scope:
         await calls.run(30, _blocked, gate, started)
     assert scope.cancelled_caught
     assert calls.limiter.borrowed_tokens == 1  # until the abandoned thread ends
+    mock_clock.autojump_threshold = math.inf
     gate.set()
-    with trio.fail_after(10):
-        while calls.limiter.borrowed_tokens:
-            await trio.sleep(0.01)
+    await _threads_back(calls)
 
 
 async def test_a_full_limiter_queues_the_next_call() -> None:
@@ -102,14 +109,18 @@ async def test_a_full_limiter_queues_the_next_call() -> None:
     assert order == ["late", "second"]
 
 
-async def test_source_turns_a_timeout_into_eio_once_per_outage(tmp_path) -> None:
-    src = Source(str(tmp_path), timeout=0.2)
+async def test_source_turns_a_timeout_into_eio_once_per_outage(
+    tmp_path, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0  # (the calls time out in virtual time)
+    src = Source(str(tmp_path), timeout=0.2, clock=trio.current_time)
     gate, started = threading.Event(), threading.Event()
     for _ in range(2):
         with pytest.raises(pyfuse3.FUSEError) as e:
             await src.run(_blocked, gate, started)
         assert e.value.errno == errno.EIO
     assert src.timeouts == 2 and not src.healthy
+    mock_clock.autojump_threshold = math.inf  # (the next call's thread answers in real time)
     gate.set()
     assert await src.run(len, b"abc") == 3
     assert src.healthy
@@ -161,14 +172,18 @@ async def test_calls_beyond_the_threads_of_a_hung_source_fail_at_their_deadline(
     assert await calls.run(2.0, len, b"ok") == 2
 
 
-async def test_a_cancelled_call_holds_its_thread_but_fails_no_other_call() -> None:
+async def test_a_cancelled_call_holds_its_thread_but_fails_no_other_call(
+    mock_clock: trio.testing.MockClock,
+) -> None:
     # Only calls that timed out say the source is hung; a call cancelled by its caller
     # keeps its thread till it returns, and the next call waits for that thread.
+    mock_clock.autojump_threshold = 0
     calls = Calls(trio.CapacityLimiter(1))
     gate, started = threading.Event(), threading.Event()
     with trio.move_on_after(0.2):
         await calls.run(30, _blocked, gate, started)
     assert calls.stuck == 1
+    mock_clock.autojump_threshold = math.inf  # (the threads answer in real time from here)
     got: list[int] = []
 
     async def second() -> None:

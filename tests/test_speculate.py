@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 import shutil
 import stat
-import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import trio
@@ -21,9 +22,11 @@ from shadefs.readers.jobs import JobTable, ProcInfo
 from shadefs.readers.part import Readers
 from shadefs.readers.tracker import ListingOf, Tracker
 from shadefs.stats import Metrics
+from tests.conftest import FakeClock
 from tests.test_prefetch import _CountingSource
 
 SIZE = 1000
+T = TypeVar("T")
 
 
 class FakeListing:
@@ -122,24 +125,52 @@ def test_demand_counts_follow_every_read_in_constant_time() -> None:
 # --- speculation over a cache ---------------------------------------------------------------
 
 
-def _cache(source: _CountingSource, listing_of: ListingOf, window: int, **kw) -> Cache:
+def _cache(
+    source: _CountingSource,
+    listing_of: ListingOf,
+    window: int,
+    clock: Callable[[], float] | None = None,
+    **kw,
+) -> Cache:
+    """`clock`: the parts' (trio's virtual time where the test runs them; else a FakeClock,
+    which moves only when the test moves it)."""
+    clock = clock or FakeClock()
     # Room for 8 files (one file may take an eighth of the budget).
     return Cache(
         source,  # type: ignore[arg-type]
         Metrics(),
         capacity=8000,
         prefetch=PrefetchSettings(window),
-        readers=Readers(listing_of=listing_of),
+        readers=Readers(JobTable(clock=clock), listing_of=listing_of),
+        clock=clock,
         **kw,
     )
 
 
-def _setup(n: int = 60, idle: float = 1.0, window: int = 20 * SIZE, **kw):
-    """`kw`: more of the cache's arguments (an SSD tier's)."""
+def _setup(
+    n: int = 60,
+    idle: float = 1.0,
+    window: int = 20 * SIZE,
+    clock: Callable[[], float] | None = None,
+    **kw,
+):
+    """`clock`: as `_cache`'s; `kw`: more of the cache's arguments (an SSD tier's)."""
+    clock = clock or FakeClock()
     source = _CountingSource(delay=0.005)
-    cache = _cache(source, _listings(FakeListing(b"d", list(range(1, n + 1)))), window, **kw)
-    spec = Speculator(cache, cache.handles.kernel, idle=idle, seed=0)
+    listing_of = _listings(FakeListing(b"d", list(range(1, n + 1))))
+    cache = _cache(source, listing_of, window, clock, **kw)
+    spec = Speculator(cache, cache.handles.kernel, idle=idle, seed=0, clock=clock)
     return source, cache, spec
+
+
+def _virtual(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """`trio.run` on virtual time: the source's delays and the parts' periods pass at once."""
+    return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _tend(spec: Speculator, cache: Cache) -> None:
+    """The speculator's periodic step, at the parts' time now."""
+    spec.tend(cache.readers.jobs.clock())
 
 
 async def _read(cache, source, key: int) -> None:
@@ -150,7 +181,7 @@ async def _read(cache, source, key: int) -> None:
 
 def test_speculation_never_stages_what_the_job_read_this_epoch() -> None:
     async def run() -> None:
-        source, cache, spec = _setup()
+        source, cache, spec = _setup(clock=trio.current_time)
         pf = cache.prefetcher
         assert pf is not None
         order = random.Random(3).sample(range(1, 61), 60)
@@ -170,12 +201,12 @@ def test_speculation_never_stages_what_the_job_read_this_epoch() -> None:
         assert sorted(source.fetches) == sorted(b"p%d" % k for k in range(1, 61))
         assert cache.fetchlog.refetches == 0
 
-    trio.run(run)
+    _virtual(run)
 
 
 def test_speculation_stops_when_the_reads_stop() -> None:
     async def run() -> None:
-        source, cache, spec = _setup(idle=0.2, window=5 * SIZE)
+        source, cache, spec = _setup(idle=0.2, window=5 * SIZE, clock=trio.current_time)
         pf = cache.prefetcher
         assert pf is not None
         async with trio.open_nursery() as nursery:
@@ -193,12 +224,12 @@ def test_speculation_stops_when_the_reads_stop() -> None:
             nursery.cancel_scope.cancel()
         assert fetched < 60  # the window bounded what it fetched while the job read
 
-    trio.run(run)
+    _virtual(run)
 
 
 def test_a_broken_pattern_drops_the_plan_and_a_new_epoch_replans() -> None:
     async def run() -> None:
-        source, cache, spec = _setup(n=20, window=100 * SIZE)
+        source, cache, spec = _setup(n=20, window=100 * SIZE, clock=trio.current_time)
         pf = cache.prefetcher
         assert pf is not None
         t = cache.readers.tracker
@@ -207,17 +238,17 @@ def test_a_broken_pattern_drops_the_plan_and_a_new_epoch_replans() -> None:
         for key in (2, 1):  # read twice at 2 of 20: not an epoch
             await _read(cache, source, key)
         spec.sync()
-        spec.tend(time.monotonic())
+        _tend(spec, cache)
         assert not spec.plans and t.broken[0]
         for key in range(3, 21):  # the rest of the files, then one of them again
             await _read(cache, source, key)
         await _read(cache, source, 5)
         spec.sync()
-        spec.tend(time.monotonic())
+        _tend(spec, cache)
         assert int(t.epoch[0]) == 1 and not t.broken[0]
         assert spec.plans and len(spec.plans[0]) <= 19  # the new epoch's unread files
 
-    trio.run(run)
+    _virtual(run)
 
 
 def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
@@ -225,20 +256,20 @@ def test_no_speculation_when_turned_off_or_while_a_known_order_runs() -> None:
     cache = _cache(source, _listings(FakeListing(b"d", [1, 2, 3, 4])), 20 * SIZE)
     pf = cache.prefetcher
     assert pf is not None
-    off = Speculator(cache, cache.handles.kernel, enabled=False)
-    trio.run(_read, cache, source, 1)
+    off = Speculator(cache, cache.handles.kernel, enabled=False, clock=cache.readers.jobs.clock)
+    _virtual(_read, cache, source, 1)
     off.sync()
-    off.tend(time.monotonic())
+    _tend(off, cache)
     assert not off.plans and len(cache.readers.jobs.jobs[0].reads) == 0  # read in, no plan
-    on = Speculator(cache, cache.handles.kernel)
-    trio.run(_read, cache, source, 2)
-    trio.run(_read, cache, source, 4)  # (one open is no sign of an epoch: two)
+    on = Speculator(cache, cache.handles.kernel, clock=cache.readers.jobs.clock)
+    _virtual(_read, cache, source, 2)
+    _virtual(_read, cache, source, 4)  # (one open is no sign of an epoch: two)
     pf.add_plan(Plan("sampler", np.array([3], dtype=np.uint64), [b"p3"], np.array([SIZE])))
     on.sync()
-    on.tend(time.monotonic())
+    _tend(on, cache)
     assert not on.plans  # a job that announces its order gets the clairvoyant prefetcher
     pf.drop_plan("sampler")
-    on.tend(time.monotonic())
+    _tend(on, cache)
     assert on.plans
 
 
@@ -270,15 +301,15 @@ def test_a_plans_paths_survive_a_refreshed_listing() -> None:
 
 def test_a_reused_job_row_starts_afresh() -> None:
     source, cache, spec = _setup(n=20)
-    trio.run(_read, cache, source, 1)
+    _virtual(_read, cache, source, 1)
     spec.sync()
     readers = cache.readers
-    now = time.monotonic()
+    now = readers.jobs.clock()
     readers.expire(now)  # the sweep notes its reads
     assert readers.expire(now + readers.jobs.idle + 1) == [0]  # then idle: the job ends
     spec.sync()
     assert 0 not in spec._owner
-    trio.run(_read, cache, source, 2)  # a new job takes row 0
+    _virtual(_read, cache, source, 2)  # a new job takes row 0
     assert int(readers.tracker.count[0]) == 1
 
 
@@ -287,22 +318,22 @@ def test_speculation_never_stages_a_file_larger_than_the_ram_tier_keeps() -> Non
         source = _CountingSource(delay=0.005)
         d = FakeListing(b"d", list(range(1, 41)))
         d.rows["st_size"][20:40] = 2 * SIZE  # above what the RAM tier caches whole
-        cache = _cache(source, _listings(d), 200 * SIZE)
-        spec = Speculator(cache, cache.handles.kernel, seed=0)
+        cache = _cache(source, _listings(d), 200 * SIZE, trio.current_time)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, clock=trio.current_time)
         assert cache.ram_max < 2 * SIZE
         for key in (3, 5):
             await _read(cache, source, key)
         spec.sync()
-        spec.tend(time.monotonic())
+        _tend(spec, cache)
         (plan,) = spec.plans.values()
         assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
 
-    trio.run(run)
+    _virtual(run)
 
 
 def test_a_reopen_straight_after_a_read_is_one_read() -> None:
     async def run() -> None:
-        source, cache, spec = _setup()
+        source, cache, spec = _setup(clock=trio.current_time)
         for key in (7, 7, 3, 3, 9):  # Parquet: the footer, a close, the data
             await _read(cache, source, key)
             if key == 3:
@@ -311,7 +342,7 @@ def test_a_reopen_straight_after_a_read_is_one_read() -> None:
         t = cache.readers.tracker
         assert not t.broken[0] and int(t.breaks[0]) == 0 and int(t.count[0]) == 3
 
-    trio.run(run)
+    _virtual(run)
 
 
 def _plan_with_ten_held(source, cache, spec) -> set[int]:
@@ -320,9 +351,9 @@ def _plan_with_ten_held(source, cache, spec) -> set[int]:
     for key in range(1, 11):
         cache.handles.kernel.opened(key)
     for key in (11, 12):
-        trio.run(_read, cache, source, key)
+        _virtual(_read, cache, source, key)
     spec.sync()
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     return set(spec.plans[0].keys.tolist())
 
 
@@ -336,7 +367,7 @@ def test_files_the_kernel_holds_are_not_staged_while_it_serves_the_reopens() -> 
     for _ in range(40):
         kernel.served(False)
     assert not kernel.trusted
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     assert set(spec.plans[0].keys.tolist()) == set(range(1, 11)) | set(range(13, 21))
 
 
@@ -380,14 +411,14 @@ def test_no_speculation_for_a_job_that_announces_its_epochs() -> None:
     # resident samples) its unread files are no guide to what it reads next.
     source, cache, spec = _setup()
     for key in (1, 2):
-        trio.run(_read, cache, source, key)
+        _virtual(_read, cache, source, key)
     spec.sync()
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     assert spec.plans  # an unchanged job's unread files are staged
     cache.begin_epoch(1, 0)  # the job announces its epoch
-    trio.run(_read, cache, source, 3)
+    _virtual(_read, cache, source, 3)
     spec.sync()
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     assert not spec.plans
 
 
@@ -416,12 +447,14 @@ class _Procs:
             shutil.rmtree(self.root / str(pid))
 
 
-def _cache_of_procs(source: _CountingSource, root: Path, n: int, window: int) -> Cache:
+def _cache_of_procs(
+    source: _CountingSource, root: Path, n: int, window: int, clock: Callable[[], float]
+) -> Cache:
     d = FakeListing(b"d", list(range(1, n + 1)))
-    jobs = JobTable(proc=ProcInfo(str(root)))
+    jobs = JobTable(proc=ProcInfo(str(root)), clock=clock)
     readers = Readers(jobs, listing_of=_listings(d))
     prefetch = PrefetchSettings(window)
-    return Cache(source, Metrics(), capacity=8000, prefetch=prefetch, readers=readers)  # type: ignore[arg-type]
+    return Cache(source, Metrics(), capacity=8000, prefetch=prefetch, readers=readers, clock=clock)  # type: ignore[arg-type]
 
 
 def test_a_shell_loop_of_one_file_jobs_fetches_each_file_once(tmp_path: Path) -> None:
@@ -433,7 +466,7 @@ def test_a_shell_loop_of_one_file_jobs_fetches_each_file_once(tmp_path: Path) ->
 
     async def run() -> None:
         source = _CountingSource(delay=0.005)
-        cache = _cache_of_procs(source, procs.root, 60, 20 * SIZE)
+        cache = _cache_of_procs(source, procs.root, 60, 20 * SIZE, trio.current_time)
         spec = Speculator(cache, cache.handles.kernel, seed=0, clock=trio.current_time)
         pf = cache.prefetcher
         assert pf is not None
@@ -456,22 +489,23 @@ def test_a_shell_loop_of_one_file_jobs_fetches_each_file_once(tmp_path: Path) ->
         assert sorted(source.fetches) == sorted(b"p%d" % k for k in range(1, 61))
         assert spec.plans_made == 0
 
-    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    _virtual(run)
 
 
 def test_a_plan_needs_two_opens_and_ends_when_the_jobs_processes_exit(tmp_path: Path) -> None:
     procs = _Procs(tmp_path / "proc")
     source = _CountingSource()
-    cache = _cache_of_procs(source, procs.root, 20, 20 * SIZE)
-    spec = Speculator(cache, cache.handles.kernel, seed=0)
+    clock = FakeClock()
+    cache = _cache_of_procs(source, procs.root, 20, 20 * SIZE, clock)
+    spec = Speculator(cache, cache.handles.kernel, seed=0, clock=clock)
     pf = cache.prefetcher
     assert pf is not None
     procs.start(7, b"python")
 
     def read(key: int) -> None:
-        trio.run(cache.open, key, b"p%d" % key, source.stat(key), 7)
+        _virtual(cache.open, key, b"p%d" % key, source.stat(key), 7)
         spec.sync()
-        spec.tend(time.monotonic())
+        _tend(spec, cache)
 
     read(3)
     assert not spec.plans  # one open: no sign of an epoch yet
@@ -480,9 +514,9 @@ def test_a_plan_needs_two_opens_and_ends_when_the_jobs_processes_exit(tmp_path: 
     assert set(plan.keys.tolist()) == set(range(1, 21)) - {3, 5}
     assert list(pf.plans) == [plan.name]
     procs.exit(7)
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     assert not spec.plans and not pf.plans  # it reads nothing more: nothing is staged for it
-    spec.tend(time.monotonic())
+    _tend(spec, cache)
     assert not spec.plans
 
 

@@ -15,6 +15,7 @@ from shadefs.prefetch import speculate
 from shadefs.prefetch.spec_plans import SpecPlan
 from shadefs.prefetch.speculate import PERIOD, Speculator
 from shadefs.readers.tracker import Tracker
+from tests.conftest import FakeClock
 from tests.test_prefetch import _CountingSource
 from tests.test_speculate import SIZE, FakeListing, _cache, _listings, _read
 
@@ -49,8 +50,9 @@ def test_an_off_loop_plan_of_an_older_epoch_is_dropped_and_one_build_runs_per_jo
     async def run() -> None:
         source = _CountingSource(delay=0.001)
         files, more = FakeListing(b"d", list(range(1, 21))), FakeListing(b"e", [21, 22])
-        cache = _cache(source, _listings(files, more), 100 * SIZE)
-        spec = Speculator(cache, cache.handles.kernel, seed=0, offload_above=0)
+        clock = FakeClock()  # (the parts' time stands: a real thread builds the plans)
+        cache = _cache(source, _listings(files, more), 100 * SIZE, clock)
+        spec = Speculator(cache, cache.handles.kernel, seed=0, offload_above=0, clock=clock)
         await _read(cache, source, 1)  # cached: never planned
         readers = cache.readers
         for key in (2, 3):  # read, not cached
@@ -96,8 +98,10 @@ def test_an_off_loop_plan_is_not_installed_once_a_known_order_runs(
 
     async def run() -> None:
         source = _CountingSource(delay=0.001)
-        cache = _cache(source, _listings(FakeListing(b"d", list(range(1, 21)))), 100 * SIZE)
-        spec = Speculator(cache, cache.handles.kernel, offload_above=0)
+        clock = FakeClock()  # (the parts' time stands: a real thread builds the plan)
+        listing_of = _listings(FakeListing(b"d", list(range(1, 21))))
+        cache = _cache(source, listing_of, 100 * SIZE, clock)
+        spec = Speculator(cache, cache.handles.kernel, offload_above=0, clock=clock)
         pf = cache.prefetcher
         assert pf is not None
         for key in (1, 2):  # (a plan comes after two opens: speculate.EVIDENCE)

@@ -24,6 +24,7 @@ MAX_LINES = 450
 # only scatter (docs/design.md §9: one concept stays whole), up to ONE_CONCEPT_MAX lines.
 ONE_CONCEPT = {
     "shadefs/fs/operations.py": "the pyfuse3 request handlers, one per request type",
+    "shadefs/fs/namespace.py": "inode <-> path: the table, snapshots, a node's version",
     "shadefs/stats.py": "the one typed stats schema and its JSON form",
     "shadefs/cache/coordinator.py": "the RAM tier: its entries, single flight, hits, accounting",
     "shadefs/prefetch/prefetcher.py": "the staging buffer and the scheduler that fills it",
@@ -397,6 +398,89 @@ def test_no_async_test_sleeps() -> None:
         for line in _calls_of(fn, "time", "sleep")
     )
     assert not sleeps, "time.sleep in async tests:\n  " + "\n  ".join(sleeps)
+
+
+# pytest-trio's fixtures that run a test on trio's MockClock.
+_CLOCK_FIXTURES = {"mock_clock", "autojump_clock"}
+
+
+def _trio_waits(fn: ast.AST) -> list[int]:
+    """The lines where `fn`, nested functions included, waits for trio's clock to move: a
+    sleep other than `trio.sleep(0)` (a checkpoint), or a timeout that is meant to fire
+    (`move_on_after`; `fail_after` only fails a test that hangs)."""
+    return [
+        node.lineno
+        for node in ast.walk(fn)
+        if _is_call(node, "trio", "move_on_after")
+        or (_is_call(node, "trio", "sleep") and not _is_zero(node.args))  # type: ignore[attr-defined]
+    ]
+
+
+def _is_call(node: ast.AST, module: str, name: str) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == module
+    )
+
+
+def _is_zero(args: list[ast.expr]) -> bool:
+    return bool(args) and isinstance(args[0], ast.Constant) and args[0].value == 0
+
+
+def real_clock_waits(tree: ast.Module) -> list[tuple[str, int]]:
+    """(test, line) where an in-process trio test waits on the real clock: an async test
+    (pytest-trio) without a clock fixture, or a `trio.run` without `clock=` of a function
+    defined in the test, that sleeps or times out."""
+    found = []
+    for fn in tree.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.name.startswith(
+            "test_"
+        ):
+            continue
+        if isinstance(fn, ast.AsyncFunctionDef):
+            params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+            if not params & _CLOCK_FIXTURES:
+                found += [(fn.name, line) for line in _trio_waits(fn)]
+            continue
+        nested = {
+            n.name: n for n in ast.walk(fn) if isinstance(n, ast.AsyncFunctionDef) and n is not fn
+        }
+        for call in ast.walk(fn):
+            if (
+                isinstance(call, ast.Call)
+                and _is_call(call, "trio", "run")
+                and not any(k.arg == "clock" for k in call.keywords)
+                and call.args
+                and isinstance(call.args[0], ast.Name)
+                and call.args[0].id in nested
+            ):
+                found += [(fn.name, line) for line in _trio_waits(nested[call.args[0].id])]
+    return found
+
+
+def test_in_process_trio_tests_wait_on_a_mock_clock() -> None:
+    """A trio test that sleeps or times out runs on trio's MockClock (a clock fixture, or
+    `trio.run(..., clock=...)`): virtual time passes at once and the same way on a loaded
+    machine. Tests that start a real daemon wait on real time, but not in trio."""
+    found = sorted(
+        f"{path.name}:{test}:{line}"
+        for path in (REPO / "tests").glob("test_*.py")
+        for test, line in real_clock_waits(ast.parse(path.read_text()))
+    )
+    assert not found, "trio tests waiting on the real clock:\n  " + "\n  ".join(found)
+    # The walk sees both kinds of test: it can fail.
+    bad = ast.parse(
+        "async def test_a():\n    await trio.sleep(0.1)\n"
+        "async def test_b(autojump_clock):\n    await trio.sleep(0.1)\n"
+        "def test_c():\n    async def run():\n        await trio.sleep(1)\n    trio.run(run)\n"
+        "def test_d():\n    async def run():\n        await trio.sleep(1)\n"
+        "    trio.run(run, clock=c)\n"
+        "async def test_e():\n    await trio.sleep(0)\n"
+    )
+    assert real_clock_waits(bad) == [("test_a", 2), ("test_c", 7)]
 
 
 def test_each_concept_has_one_home() -> None:

@@ -47,7 +47,7 @@ async def test_ls_l_of_a_directory_costs_a_source_call_per_block(
     calls = _counting(monkeypatch, paths, ["getxattr", "listxattr", "xattr_presence"])
     d = await lookup_path(ops, "d")
     assert len(await readdir_names(ops, d)) == n
-    inos = [svc.namespace.ino_of((src / "d" / f"f{i:03d}").lstat()) for i in range(n)]
+    inos = [svc.namespace.numbers.ino_of((src / "d" / f"f{i:03d}").lstat()) for i in range(n)]
     for i, ino in enumerate(inos):  # what ls -l asks of every file
         for name in (b"security.selinux", b"system.posix_acl_access"):
             assert await _errno(ops.getxattr(ino, name, CTX)) == errno.ENODATA
@@ -65,7 +65,7 @@ async def test_an_attribute_added_on_the_source_shows_after_revalidate(tmp_path:
     ops, svc = make_fs(src, revalidate=0.5, clock=clock)
     d = await lookup_path(ops, "d")
     await readdir_names(ops, d)
-    a = svc.namespace.ino_of((src / "d" / "a").lstat())
+    a = svc.namespace.numbers.ino_of((src / "d" / "a").lstat())
     assert await _errno(ops.getxattr(a, b"user.k", CTX)) == errno.ENODATA
     try:
         os.setxattr(src / "d" / "a", "user.k", b"new")

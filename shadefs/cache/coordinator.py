@@ -642,7 +642,7 @@ class Cache:
 
     async def evict(self, key: int, *, stale: bool = False) -> bool:
         """Drop `key` from every tier; False if it was not cached. `stale`: its file has a
-        new version under another key (fs/revalidate.py): not counted as an eviction."""
+        new version under another key (`Namespace.fresh_stat`): not counted as an eviction."""
         found = key in self.entries
         if found:
             self._remove(key)

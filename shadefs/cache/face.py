@@ -15,7 +15,7 @@ version the open looked up, whole:
 
 What a node is stays the file system's: when the source has another version than the one
 looked up, `open` raises `Changed` and the file system checks the node and retires it
-(fs/revalidate.py); a path that no longer leads to the file raises the source's ENOENT or
+(`Namespace.fresh_stat`); a path that no longer leads to the file raises the source's ENOENT or
 ENOTDIR, which the file system answers with ESTALE.
 
 The hit path (fs/operations.py `_hit_open`) does not await: `reopen` serves a file whose

@@ -6,66 +6,49 @@ the mount. So an inode keeps its number after the kernel forgets it and looks it
 and a number names one (device, inode) pair. Which version of that inode a number stands for
 is the FUSE generation's business (records.generation).
 
-Except while the kernel still references the number for another file. A FUSE open or read
-names the node only, not its generation: when a reused inode number moved the node to the new
-file, an open the kernel had queued on the old file's inode (before it handled the lookup
-that retires it) was served the new file's bytes. So a node id the kernel references for one
-file is never handed to a different one: a non-directory met under another path with another
-signature (`claim`) gets a fresh number, kept in two small dicts until the kernel forgets it,
-and the old node stays on its old row (its path leads elsewhere now: ESTALE or ENOENT).
+Except while the kernel still references the number for another file: a FUSE open or read
+names the node only, not its generation, so a node id the kernel references for one file is
+never handed to a different one. The namespace decides when (`Namespace.claim`: it knows
+what the kernel references); this part hands out the fresh number (`renumber`) and keeps it
+in two small dicts, both empty but for such races, until the kernel forgets it (`forget`):
+then the source inode gets its own number back.
+
+A part the namespace owns: its state is the numbering alone, and it reads nothing of the
+namespace's table or snapshots.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import stat
 
 import numpy as np
 import pyfuse3
 
-from shadefs.file_version import Signature
 from shadefs.fs import records
-from shadefs.fs.snapshots import InodeTable, Snapshot
 
 ROOT_INODE = pyfuse3.ROOT_INODE
 # Inodes 2..INO_OFFSET-1 belong to the control directory (see control/entries.py).
 INO_OFFSET = 16
 _FOREIGN_BASE = 1 << 62
-# Fresh numbers (see `claim`): above any foreign one, below 2**63 (the caches keep keys as
-# signed 64-bit integers).
+# Fresh numbers (see `renumber`): above any foreign one, below 2**63 (the caches keep keys
+# as signed 64-bit integers).
 _FRESH_BASE = 3 << 61
-_ROW = 0xFFFFFFFF
 _MAX_INO = (1 << 64) - 1
 
 
 class InodeNumbers:
-    """The numbering, mixed into the namespace (which sets `dev` and `root_ino`)."""
+    """The numbering of one source tree, whose root is inode `root_ino` on device `dev`."""
 
-    dev: int
-    root_ino: int
-    _foreign: dict[tuple[int, int], int]
-    table: InodeTable
-    _snaps: list[Snapshot | None]
-    #: source-derived number -> the fresh number of the file that took it over while the
-    #: kernel referenced it for another file, and back (both empty but for such races)
-    _renumbered: dict[int, int]
-    _base_of: dict[int, int]
-    _fresh_count: int
-    changed_files: int
-
-    def _changed(self, ino: int) -> None:
-        raise NotImplementedError  # the namespace's (fs/opened.py): drop what opens kept
-
-    def _init_numbers(self) -> None:
-        self._foreign = {}
-        self._renumbered = {}
-        self._base_of = {}
+    def __init__(self, dev: int, root_ino: int) -> None:
+        self.dev = dev
+        self.root_ino = root_ino
+        self._foreign: dict[tuple[int, int], int] = {}
+        #: source-derived number -> the fresh number of the file that took it over while the
+        #: kernel referenced it for another file, and back (both empty but for such races)
+        self._renumbered: dict[int, int] = {}
+        self._base_of: dict[int, int] = {}
         self._fresh_count = 0
-        #: (number, stale) of nodes whose cached bytes no open will be served again, for
-        #: the data path to drop: stale, a node that lost its file or version to a fresh
-        #: number; not, a fresh number the kernel forgot (its file gets its own back)
-        self.retired: list[tuple[int, bool]] = []
 
     def key_of_ino(self, st_ino: int) -> int:
         """The inode number of a source inode on the root's device (for restored entries)."""
@@ -96,7 +79,7 @@ class InodeNumbers:
         self._foreign[key] = ino
         return ino
 
-    def _inos(self, rows: np.ndarray, devs: np.ndarray) -> np.ndarray:
+    def inos(self, rows: np.ndarray, devs: np.ndarray) -> np.ndarray:
         """ino_of for a whole listing: vectorised, foreign entries one by one."""
         out, odd = records.local_inos(rows, devs, self.dev, self.root_ino, INO_OFFSET)
         for j in np.flatnonzero(odd | (out >= np.uint64(_FOREIGN_BASE))).tolist():
@@ -105,38 +88,10 @@ class InodeNumbers:
             out[out == np.uint64(base)] = fresh
         return out
 
-    def claim(self, ino: int, snap: Snapshot, i: int) -> int:
-        """The number to hand the kernel for row `i` of `snap` (whose number is `ino`): a
-        fresh one when the kernel references `ino` for a different file or another version
-        of a regular file: another signature (a rename or a hard link keep the number and
-        move the node). Directories keep theirs (generation 0: the kernel never retires
-        them; cwd survives a rename)."""
-        val = self.table.get(ino)
-        if val < 0 or val >> 32 == snap.slot:
-            return ino  # not referenced, or this listing's row (or its hard link's)
-        old = self._snaps[val >> 32]
-        assert old is not None
-        oi = val & _ROW
-        if stat.S_ISDIR(int(snap.rows["st_mode"][i])):
-            return ino
-        ost, nst = old.stat(oi), snap.stat(i)
-        if stat.S_IFMT(ost.st_mode) == stat.S_IFMT(nst.st_mode) and Signature.of(
-            ost
-        ) == Signature.of(nst):
-            return ino
-        if (old.dirino, old.name(oi)) == (snap.dirino, snap.name(i)):
-            if not stat.S_ISREG(nst.st_mode):
-                return ino  # a symlink's new version under its name: no pages to tell apart
-            # A new version under its name (a reused number elsewhere is not counted), once
-            # per node: an open's check may have seen it (-inf), and a node forgotten while
-            # the kernel retried is renumbered again.
-            self.changed_files += int(old.checked[oi] != -np.inf)
-        # Its number is another file's now, or another version's (fs/revalidate.py): the old
-        # node's file is gone or changed, so its next open checks the path (ESTALE, and the
-        # kernel's retry finds what is there). The old node stays the old version.
-        old.checked[oi] = -np.inf
-        self._changed(ino)
-        self.retired.append((ino, True))
+    def renumber(self, ino: int) -> int:
+        """A fresh number for the file that takes over `ino` (a source-derived number, or a
+        fresh one) while the kernel references `ino` for another: from now on the file's
+        source inode maps to it, until the kernel forgets it."""
         base = self._base_of.pop(ino, ino)
         fresh = _FRESH_BASE + self._fresh_count
         self._fresh_count += 1
@@ -145,25 +100,16 @@ class InodeNumbers:
             self._base_of.pop(prev, None)
         self._renumbered[base] = fresh
         self._base_of[fresh] = base
-        snap.ino[i] = fresh
         return fresh
 
-    def claim_rows(self, snap: Snapshot, lo: int, hi: int) -> list[int]:
-        """`claim` of rows lo..hi-1 before readdirplus hands them out; their numbers. Only
-        rows that are not their inode's node yet and whose number the kernel references
-        are looked at (one plain loop over the table)."""
-        inos: list[int] = snap.ino[lo:hi].tolist()
-        for k in self.table.held(inos):
-            if not snap.lookups[lo + k]:
-                inos[k] = self.claim(inos[k], snap, lo + k)
-        return inos
-
-    def forget_number(self, ino: int) -> None:
-        """The kernel forgot `ino`: a fresh number's source inode gets its own back, and
-        what was cached under the fresh number would never be found again (`retired`)."""
-        if self._base_of:
-            base = self._base_of.pop(ino, None)
-            if base is not None:
-                self.retired.append((ino, False))
-                if self._renumbered.get(base) == ino:
-                    del self._renumbered[base]
+    def forget(self, ino: int) -> bool:
+        """The kernel forgot `ino`: whether it was a fresh number (its source inode gets its
+        own back, and what was cached under the fresh number would never be found again)."""
+        if not self._base_of:
+            return False
+        base = self._base_of.pop(ino, None)
+        if base is None:
+            return False
+        if self._renumbered.get(base) == ino:
+            del self._renumbered[base]
+        return True

@@ -270,7 +270,7 @@ class Operations(ReadOnly):
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EIO)
         due = self._clock() - checked >= self.ns.revalidate
-        if due and await self.ns.fresh_stat(inode):  # a new version: a new node (revalidate.py)
+        if due and await self.ns.fresh_stat(inode):  # a new version: a new node (namespace.py)
             raise await self._retire(inode)
         # Defer a miss's fetch where the kernel may serve every read (cache/deferred.py). Not
         # for a no-open read: the kernel asks because it lacks the pages.
@@ -315,7 +315,7 @@ class Operations(ReadOnly):
         push = not self.kernel_hits and (not seen or self._drops.push(fh))
         if push and push_pages(inode, fh, data, self._inode_of):
             self.metrics.bytes_served += len(data)  # the kernel has them all
-        # keep_cache: a node is one version (fs/revalidate.py), and so are its pages.
+        # keep_cache: a node is one version (fs/namespace.py), and so are its pages.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def _open_later(self, inode: InodeT, later: Deferred) -> pyfuse3.FileInfo:
