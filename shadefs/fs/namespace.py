@@ -74,7 +74,6 @@ from shadefs.fs import records
 from shadefs.fs.inode_numbers import ROOT_INODE, InodeNumbers
 from shadefs.fs.records import Node, Resolved
 from shadefs.fs.relisting import RelistQueue
-from shadefs.fs.revalidate import GONE, MOVED
 from shadefs.fs.snapshots import InodeTable, Snapshot, Stat, scan_rows
 from shadefs.kernel.notify import forget_entry
 from shadefs.source.part import Source
@@ -84,6 +83,11 @@ log = logging.getLogger(__name__)
 
 _ROW = 0xFFFFFFFF
 OPENED_KEPT = 4096
+# The source's answers that say a path no longer leads to what was looked up (ELOOP: a
+# component on it is now a symlink, which the source refuses to follow).
+GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# A node's path that no longer leads to it (the open answers ESTALE; ELOOP stays ELOOP).
+MOVED = (errno.ENOENT, errno.ENOTDIR)
 
 
 def _nothing(ino: int) -> None:

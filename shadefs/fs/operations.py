@@ -33,10 +33,9 @@ from shadefs.control.files import Control
 from shadefs.file_version import Changed, Signature, StatLike
 from shadefs.fs.guard import PASS, Pass, guard_handlers
 from shadefs.fs.inode_numbers import ROOT_INODE
-from shadefs.fs.namespace import Namespace
+from shadefs.fs.namespace import MOVED, Namespace
 from shadefs.fs.readonly import ReadOnly, erofs
 from shadefs.fs.records import attrs_of_row, statfs_reply
-from shadefs.fs.revalidate import MOVED
 from shadefs.fs.snapshots import Snapshot
 from shadefs.fs.xattrs import Xattrs
 from shadefs.kernel.no_open import KERNEL_PID
