@@ -201,7 +201,7 @@ class Blocks:
         sig = self._sigs.get(key)
         return 0 if sig is None else block_tier(self.cache, key, sig.size, self.block_size)
 
-    async def retire(self, key: int) -> None:  # a new version has another key (fs/revalidate)
+    async def retire(self, key: int) -> None:  # a new version has another key (fs/namespace.py)
         if (sig := self._sigs.pop(key, None)) is not None:
             await self._invalidate(key, sig)
 
