@@ -6,13 +6,14 @@ under a timeout. With `trio.to_thread.run_sync` inside `trio.move_on_after` that
 10-15), which is paid on every miss. This module does the same with trio's low-level
 primitives:
 
-- the thread comes from trio's thread cache (`start_thread_soon`), and its result is handed
+- the thread comes from a thread cache like trio's (`start_thread_soon`) whose new threads
+  do not stop the loop while they start (source/workers.py), and its result is handed
   back with one `run_sync_soon`, without `to_thread`'s context copy and bookkeeping for
   `trio.from_thread` calls (source calls make none);
 - the limiter's token is taken without a checkpoint when one is free, and given back only
   when the thread really ends, so calls abandoned on a hung server keep holding theirs: the
   threads stuck in the kernel are at most the limiter's tokens, never reused until they
-  return (trio's thread cache hands out only idle threads), and counted (`stuck`);
+  return (the thread cache hands out only idle threads), and counted (`stuck`);
 - a call's deadline runs from when it is made, whether it then waits for a token or runs
   in a thread: one that cannot get a thread by its deadline fails as one that timed out in
   a thread (`TimedOut`; `queue_timeouts` counts them). Without this, a hung server that
@@ -53,6 +54,8 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from shadefs.source.workers import Workers
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -84,6 +87,7 @@ class Calls:
 
     def __init__(self, limiter: trio.CapacityLimiter) -> None:
         self.limiter = limiter
+        self.workers = Workers()  # (source/workers.py)
         self.stuck = 0
         self.queue_timeouts = 0
         self._hung = 0  # of the stuck threads, those whose call timed out (not cancelled)
@@ -113,6 +117,7 @@ class Calls:
         call = _Call(trio.lowlevel.current_task(), trio.current_time() + timeout)
         limiter = self.limiter
         waiting = self._waiting
+        workers = self.workers
 
         def done(result: outcome.Outcome[T]) -> None:  # in the trio thread
             limiter.release_on_behalf_of(call)
@@ -134,7 +139,7 @@ class Calls:
                 pass  # the daemon is gone; so is everything that waited
 
         def start() -> None:
-            trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
+            workers.start_soon(lambda: fn(*args), deliver)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             if call.waiting:
