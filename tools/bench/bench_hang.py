@@ -135,20 +135,40 @@ def _stats(mnt: Path) -> dict[str, Any]:
     return box
 
 
+def _loop_times(pid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of the daemon's main thread, where its
+    event loop runs (/proc/PID/task/PID/schedstat)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        ran, waited, _ = f.read().split()
+    return int(ran), int(waited)
+
+
+class Behind(NamedTuple):
+    """A hit sent behind a wave's burst (`_hit_behind`)."""
+
+    took: float  # its latency (inf: it failed)
+    held: int  # the requests the kernel held for the daemon as it was sent
+    ran: float  # seconds the daemon's loop thread ran meanwhile
+    waited: float  # seconds it was runnable but had no CPU
+
+
 def _hit_behind(
-    barrier: threading.Barrier, path: Path, waiting: Path, burst: int
-) -> tuple[float, int]:
+    barrier: threading.Barrier, path: Path, waiting: Path, burst: int, daemon: int
+) -> Behind:
     """A hit sent behind a wave's burst: once the kernel holds the wave's requests for the
-    daemon (/sys/fs/fuse/connections/N/waiting, 50 ms at most). Its latency, and the
-    requests held as it was sent."""
+    daemon (/sys/fs/fuse/connections/N/waiting, 50 ms at most)."""
     barrier.wait()
     t0 = time.monotonic()
     held = int(waiting.read_text())
     while held < burst and time.monotonic() - t0 < 0.05:
         time.sleep(0.0005)
         held = int(waiting.read_text())
+    ran, waited = _loop_times(daemon)
     took, err = _read(path)
-    return (took if err is None else math.inf), held
+    ran1, waited1 = _loop_times(daemon)
+    return Behind(
+        took if err is None else math.inf, held, (ran1 - ran) / 1e9, (waited1 - waited) / 1e9
+    )
 
 
 def _read_together(
@@ -292,10 +312,11 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
 
                     pool = concurrent.futures.ThreadPoolExecutor(len(wave) + 1)
                     behind = pool.submit(
-                        _hit_behind, barrier, mnt / hot[w % len(hot)], waiting, len(wave)
+                        _hit_behind, barrier, mnt / hot[w % len(hot)], waiting, len(wave), pid
                     )
                     asked = _stats(mnt).get("requests", {})
                     user, system = _user_sys(pid)
+                    loop = _loop_times(pid)[0]
                     futures = [
                         pool.submit(_read_together, barrier, mnt / rel, args.hang == "readdir")
                         for rel in wave
@@ -303,6 +324,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                     done, pending = concurrent.futures.wait(futures, timeout=10 * args.timeout)
                     pool.shutdown(wait=False)
                     got = [f.result() for f in done]
+                    loop = _loop_times(pid)[0] - loop
                     user1, system1 = _user_sys(pid)
                     user, system = user1 - user, system1 - system
                     ticks = user + system
@@ -319,16 +341,18 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                         f"{len(pending)} still waiting after {10 * args.timeout:g} s "
                         f"(asked: every one EIO within {2 * args.timeout:g} s); the daemon "
                         f"ran {ticks * 1000 / os.sysconf('SC_CLK_TCK') / len(wave):.2f} ms of "
-                        f"CPU per miss ({user / max(1, ticks):.0%} in user mode)"
+                        f"CPU per miss ({user / max(1, ticks):.0%} in user mode; its loop's "
+                        f"thread {loop / 1e6 / len(wave):.2f} ms)"
                     )
                     print(
                         "    requests per miss: "
                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_miss.items()) if v)
                     )
-                    took, held = behind.result()
+                    b = behind.result()
                     print(
-                        f"    a hit sent behind the burst ({held} requests held for the daemon): "
-                        f"{took * 1e3:.1f} ms (asked: < 100 ms)"
+                        f"    a hit sent behind the burst ({b.held} requests held for the daemon): "
+                        f"{b.took * 1e3:.1f} ms (asked: < 100 ms); meanwhile the daemon's loop "
+                        f"ran {b.ran * 1e3:.1f} ms and waited {b.waited * 1e3:.1f} ms for a CPU"
                     )
                     if pending:
                         break
