@@ -25,7 +25,10 @@ daemon's CPU per miss in each wave (with its share in user mode, and the request
 by type from stats.json; the daemon's idle CPU per second and the prober's hits and stats
 reads over the wave are in it too: a first wave lasts the timeout, a second far less), and
 how often someone dropped the kernel's dentries during the outage (a hit's lookup then asks
-the source). `--attach COMMAND` runs a profiler on the daemon through the waves.
+the source). Each wave also sends one hit once the kernel holds the wave's requests (the
+case a hit at a burst's end meets), with the daemon's loop thread's time meanwhile on a CPU
+and runnable without one (/proc/PID/task/PID/schedstat: the rest is the loop blocked).
+`--attach COMMAND` runs a profiler on the daemon through the waves.
 """
 
 from __future__ import annotations
