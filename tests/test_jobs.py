@@ -266,6 +266,68 @@ def test_threads_belong_to_their_process() -> None:
     assert job_root(threading.get_native_id(), ProcInfo()) == me
 
 
+class _CountingProc(ProcInfo):
+    """The real /proc, counting what the job resolution asks of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def start_time(self, pid: int, live: bool = False) -> int | None:
+        self.asked.append("start_time")
+        return super().start_time(pid, live)
+
+    def tgid_ppid(self, pid: int) -> tuple[int, int] | None:
+        self.asked.append("tgid_ppid")
+        return super().tgid_ppid(pid)
+
+    def cmdline(self, pid: int) -> bytes:
+        self.asked.append("cmdline")
+        return super().cmdline(pid)
+
+    def program(self, pid: int) -> bytes:
+        self.asked.append("program")
+        return super().program(pid)
+
+
+def test_a_new_thread_of_a_known_process_joins_its_job_without_the_walk() -> None:
+    import threading
+
+    # A burst of misses from fresh threads (a reader's pool) resolves each thread on the
+    # event loop: after the first, a thread of the same process costs its own start time
+    # and process id, not the walk up the ancestors' programs and command lines.
+    proc = _CountingProc()
+    table = JobTable(proc=proc)
+    tids: list[int] = []
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=lambda: (tids.append(threading.get_native_id()), stop.wait(10)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        poll(lambda: len(tids) == 3, "threads started", 10)
+        first = table.job_of(tids[0])
+        assert "cmdline" in proc.asked  # the first thread: the walk
+        assert first.root == job_root(os.getpid(), ProcInfo())
+        assert os.getpid() in table.pids and os.getpid() in first.pids  # the process too
+        for tid in tids[1:]:
+            proc.asked.clear()
+            assert table.job_of(tid) is first
+            assert sorted(proc.asked) == ["start_time", "tgid_ppid"]
+        assert table.job_of(os.getpid()) is first  # the process's own reads: cached
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    # The threads are gone: the sweep forgets them (a reused id is resolved afresh), and
+    # keeps the process, which still runs.
+    table.expire(time.monotonic())
+    assert set(table.pids) == {os.getpid()}
+    assert first.pids == {os.getpid()}
+
+
 def test_the_pid_cache_and_job_expiry() -> None:
     table = JobTable(idle=0.5)
     now = time.monotonic()

@@ -94,19 +94,24 @@ async def test_a_cancelled_caller_abandons_its_call(mock_clock: trio.testing.Moc
 async def test_a_full_limiter_queues_the_next_call() -> None:
     calls = Calls(trio.CapacityLimiter(1))
     gate, started = threading.Event(), threading.Event()
-    order: list[str] = []
+    order: list[str] = []  # appended in the worker threads
 
-    async def first() -> None:
-        order.append(await calls.run(30, _blocked, gate, started))
+    def first() -> str:
+        got = _blocked(gate, started)
+        order.append("first")
+        return got
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(first)
+        nursery.start_soon(lambda: calls.run(30, first))
         await _wait_for(started)
         nursery.start_soon(lambda: calls.run(30, order.append, "second"))
         await trio.testing.wait_all_tasks_blocked()
         assert order == []  # waits for the one thread the limiter allows
         gate.set()
-    assert order == ["late", "second"]
+    # The second call's thread started once the first's ended, and both callers got
+    # their results; the token is back.
+    assert order == ["first", "second"]
+    assert calls.limiter.borrowed_tokens == 0 and calls.queue_timeouts == 0
 
 
 async def test_source_turns_a_timeout_into_eio_once_per_outage(
@@ -195,3 +200,55 @@ async def test_a_cancelled_call_holds_its_thread_but_fails_no_other_call(
         assert got == []  # queued for the one thread, not failed
         gate.set()
     assert got == [3] and calls.stuck == 0 and calls.queue_timeouts == 0
+
+
+async def test_a_queued_call_fails_at_its_deadline_while_the_thread_ahead_runs_on(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # A slow call (not a hung source: its deadline is far) holds the one thread; the call
+    # queued behind it fails at its own deadline, and takes no token afterwards.
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    got: list[str] = []
+
+    async def slow() -> None:
+        got.append(await calls.run(100, _blocked, gate, started))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow)
+        await _wait_for(started)
+        t0 = trio.current_time()
+        mock_clock.autojump_threshold = 0  # (from here to the first deadline: 2 s)
+        with trio.fail_after(60), pytest.raises(TimedOut):
+            await calls.run(2.0, len, b"x")
+        assert trio.current_time() == t0 + 2.0
+        assert calls.queue_timeouts == 1 and calls.stuck == 0
+        mock_clock.autojump_threshold = math.inf  # (the thread's real time must not jump)
+        gate.set()
+    assert got == ["late"] and calls.limiter.borrowed_tokens == 0
+
+
+async def test_a_cancelled_queued_call_leaves_the_queue_and_holds_nothing() -> None:
+    calls = Calls(trio.CapacityLimiter(1))
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []  # appended in worker threads
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: calls.run(30, _blocked, gate, started))
+        await _wait_for(started)
+        with trio.CancelScope() as scope:
+
+            async def cancel_once_queued() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+
+            nursery.start_soon(cancel_once_queued)
+            await calls.run(30, ran.append, "cancelled")
+        assert scope.cancelled_caught
+        nursery.start_soon(lambda: calls.run(30, ran.append, "queued"))
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    # The cancelled call never ran (it had no thread to abandon: not stuck); the one
+    # queued after it got the token.
+    assert ran == ["queued"]
+    assert calls.stuck == 0 and calls.queue_timeouts == 0 and calls.limiter.borrowed_tokens == 0

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # How many ancestors a walk visits at most (a loop in /proc would be a kernel bug; be safe).
 _MAX_DEPTH = 64
 DEFAULT_IDLE = 120.0
+_CHUNK = 64 << 10  # what one read of a /proc file asks for
 
 
 @dataclass(slots=True)
@@ -62,11 +63,25 @@ class Job:
 
 
 def _read(path: str) -> bytes | None:
+    # (os-level calls, not open(): a burst of misses from new threads resolves a few
+    # hundred readers on the event loop, and a buffered file object costs more than the
+    # read. A /proc file is read whole up to the size asked: a shorter read is its end.)
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        parts = []
+        while True:
+            chunk = os.read(fd, _CHUNK)
+            parts.append(chunk)
+            if len(chunk) < _CHUNK:
+                break
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class ProcInfo:
@@ -122,7 +137,11 @@ def _mp_helper(cmdline: bytes) -> bool:
 
 def job_root(pid: int, proc: ProcInfo) -> int:
     """The process whose job `pid` (a thread id) reads for: see the module docstring."""
-    ids = proc.tgid_ppid(pid)
+    return _root_of(pid, proc.tgid_ppid(pid), proc)
+
+
+def _root_of(pid: int, ids: tuple[int, int] | None, proc: ProcInfo) -> int:
+    """`job_root` of `pid`, whose (process, parent) are `ids` (None: it is gone)."""
     if ids is None:
         return pid
     root, parent = ids
@@ -186,16 +205,32 @@ class JobTable:
         job = self.pids.get(pid)
         if job is not None:
             return job
-        start = self.proc.start_time(pid)
-        root = job_root(pid, self.proc) if pid else 0
-        job = self.jobs[self._row_for(f"pid:{root}")]
-        if not job.root and root:
-            job.root = root
-            job.root_start = start if root == pid else self.proc.start_time(root)
+        proc = self.proc
+        start = proc.start_time(pid)
+        ids = proc.tgid_ppid(pid) if pid else None
+        # A new thread of a process seen before (a reader's pool of threads, a burst of
+        # misses from fresh threads) belongs to that process's job: one /proc read, not
+        # the walk up its ancestors (a thread's job is its process's, `job_root`).
+        tgid = ids[0] if ids is not None else pid
+        job = self.pids.get(tgid) if tgid != pid else None
+        if job is None:
+            root = _root_of(pid, ids, proc) if pid else 0
+            job = self.jobs[self._row_for(f"pid:{root}")]
+            if not job.root and root:
+                job.root = root
+                job.root_start = start if root == pid else proc.start_time(root)
+            if tgid != pid and ids is not None:
+                # The process itself, for its next new thread: checked by the sweep as
+                # every cached pid is (a reused pid is resolved afresh).
+                tgid_start = job.root_start if tgid == job.root else proc.start_time(tgid)
+                self._add(tgid, job, tgid_start)
+        self._add(pid, job, start)
+        return job
+
+    def _add(self, pid: int, job: Job, start: int | None) -> None:
         job.pids.add(pid)
         self.pids[pid] = job
         self._starts[pid] = start
-        return job
 
     def running(self, row: int) -> bool:
         """Whether job `row` may still read: the process it is named for, or one of its

@@ -6,13 +6,14 @@ under a timeout. With `trio.to_thread.run_sync` inside `trio.move_on_after` that
 10-15), which is paid on every miss. This module does the same with trio's low-level
 primitives:
 
-- the thread comes from trio's thread cache (`start_thread_soon`), and its result is handed
+- the thread comes from a thread cache like trio's (`start_thread_soon`) whose new threads
+  do not stop the loop while they start (source/workers.py), and its result is handed
   back with one `run_sync_soon`, without `to_thread`'s context copy and bookkeeping for
   `trio.from_thread` calls (source calls make none);
 - the limiter's token is taken without a checkpoint when one is free, and given back only
   when the thread really ends, so calls abandoned on a hung server keep holding theirs: the
   threads stuck in the kernel are at most the limiter's tokens, never reused until they
-  return (trio's thread cache hands out only idle threads), and counted (`stuck`);
+  return (the thread cache hands out only idle threads), and counted (`stuck`);
 - a call's deadline runs from when it is made, whether it then waits for a token or runs
   in a thread: one that cannot get a thread by its deadline fails as one that timed out in
   a thread (`TimedOut`; `queue_timeouts` counts them). Without this, a hung server that
@@ -27,11 +28,18 @@ primitives:
   waiting, or one timeout when none waits (a call made meanwhile has a later deadline), and
   is woken sooner only by a call with an earlier deadline, which never happens while every
   call has the same timeout. So it wakes about once per timeout however many calls
-  complete, and a hung call fails on time. Only a call that must wait for a token pays for
-  a cancel scope, and only then.
+  complete, and a hung call fails on time;
+- a call that must wait for a token waits in a queue of this module's own, not in the
+  limiter's: a thread that ends hands its token to the first call queued and starts that
+  call's thread itself, and the watchdog fails a queued call at its deadline as it fails a
+  running one. So a queued call parks once and wakes once, with its result, and pays for no
+  cancel scope: in a burst of misses against a hung server (hundreds queued behind the
+  threads, all failing at one deadline) a queued miss costs the loop no more than one that
+  got a thread, and the hits queued behind them in the kernel wait less.
 
 When the server answers again, the stuck threads return one by one: each gives its token to
-the next call queued, and the pool is back to normal without anyone's help.
+the next call queued (and starts its thread), and the pool is back to normal without
+anyone's help.
 
 A call whose task is cancelled (unmount) is abandoned at once, like `abandon_on_cancel`.
 """
@@ -46,6 +54,8 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from shadefs.source.workers import Workers
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -56,13 +66,15 @@ class TimedOut(Exception):
 
 
 class _Call:
-    __slots__ = ("task", "deadline", "waiting", "timed_out")
+    __slots__ = ("task", "deadline", "waiting", "timed_out", "queued")
 
     def __init__(self, task: trio.lowlevel.Task, deadline: float) -> None:
         self.task = task
         self.deadline = deadline
         self.waiting = True  # False once answered, timed out or cancelled
         self.timed_out = False  # its thread ran past the deadline
+        # What starts its thread once it gets a token; None once it has one.
+        self.queued: Callable[[], None] | None = None
 
 
 class Calls:
@@ -75,10 +87,13 @@ class Calls:
 
     def __init__(self, limiter: trio.CapacityLimiter) -> None:
         self.limiter = limiter
+        self.workers = Workers()  # (source/workers.py)
         self.stuck = 0
         self.queue_timeouts = 0
         self._hung = 0  # of the stuck threads, those whose call timed out (not cancelled)
-        self._queued: set[trio.CancelScope] = set()  # the waits of calls queued for a token
+        # The calls waiting for a token, in the order they came (a thread that ends hands
+        # its token to the first: `_next`).
+        self._queue: dict[_Call, None] = {}
         self._waiting: dict[_Call, None] = {}  # in deadline order (insertion order)
         self._token: trio.lowlevel.TrioToken | None = None  # of the run the watchdog serves
         self._idle = math.inf  # the shortest timeout asked for: the watchdog's idle sleep
@@ -96,15 +111,13 @@ class Calls:
             # The first call of this trio run (calls of an earlier run are gone with it).
             self._token = token
             self._waiting = {}
+            self._queue = {}
             self._target = math.inf
             trio.lowlevel.spawn_system_task(self._watch, self._waiting, name="source deadlines")
         call = _Call(trio.lowlevel.current_task(), trio.current_time() + timeout)
         limiter = self.limiter
-        try:
-            limiter.acquire_on_behalf_of_nowait(call)
-        except trio.WouldBlock:
-            await self._queue(call)
         waiting = self._waiting
+        workers = self.workers
 
         def done(result: outcome.Outcome[T]) -> None:  # in the trio thread
             limiter.release_on_behalf_of(call)
@@ -116,6 +129,8 @@ class Calls:
                 self.stuck -= 1  # an abandoned call's thread came back (and its token)
                 if call.timed_out:
                     self._hung -= 1
+            if self._queue:
+                self._next()
 
         def deliver(result: outcome.Outcome[T]) -> None:  # in the worker thread
             try:
@@ -123,37 +138,60 @@ class Calls:
             except trio.RunFinishedError:
                 pass  # the daemon is gone; so is everything that waited
 
+        def start() -> None:
+            workers.start_soon(lambda: fn(*args), deliver)
+
         def abort(_: Any) -> trio.lowlevel.Abort:
             if call.waiting:
                 call.waiting = False
                 del waiting[call]
-                self.stuck += 1  # (a cancelled call says nothing of the source's health)
+                if call.queued is None:
+                    self.stuck += 1  # (a cancelled call says nothing of the source's health)
+                else:
+                    del self._queue[call]  # it had no thread: nothing runs on
             return trio.lowlevel.Abort.SUCCEEDED  # the thread runs on, abandoned
 
+        try:
+            limiter.acquire_on_behalf_of_nowait(call)
+        except trio.WouldBlock:
+            if self._hung >= limiter.total_tokens:
+                # Every token is held by a call that timed out: none comes back before the
+                # source answers, so this call would only wait for its deadline.
+                self.queue_timeouts += 1
+                raise TimedOut() from None
+            call.queued = start
+            self._queue[call] = None
+        else:
+            start()
         waiting[call] = None
         if call.deadline < self._target:
             self._wake.set()  # never with one timeout for all calls, but the watchdog must
-        trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
         result: T = await trio.lowlevel.wait_task_rescheduled(abort)
         return result
 
-    async def _queue(self, call: _Call) -> None:
-        """Wait for a token until the call's deadline (every token is held: a busy or a hung
-        source); TimedOut then, as if the call had timed out in a thread. At once while
-        every token is held by a call that timed out: none comes back before the source
-        answers."""
-        if self._hung < self.limiter.total_tokens:
-            with trio.move_on_at(call.deadline) as scope:
-                self._queued.add(scope)
-                try:
-                    await self.limiter.acquire_on_behalf_of(call)
-                finally:
-                    self._queued.discard(scope)
-                if trio.current_time() < call.deadline:
-                    return
-                self.limiter.release_on_behalf_of(call)  # got one too late to use it
+    def _next(self) -> None:
+        """Hand free tokens to the calls queued first (a thread ended). A call past its
+        deadline that the watchdog has not failed yet gets none: it fails now, as it would."""
+        now = trio.current_time()
+        queue, limiter = self._queue, self.limiter
+        while queue and limiter.available_tokens:
+            call = next(iter(queue))
+            del queue[call]
+            start, call.queued = call.queued, None
+            if call.deadline <= now:
+                self._fail_queued(call)
+                continue
+            limiter.acquire_on_behalf_of_nowait(call)
+            assert start is not None
+            start()
+
+    def _fail_queued(self, call: _Call) -> None:
+        """A call that got no thread by its deadline (or never can) fails as one that timed
+        out in a thread."""
+        call.waiting = False
+        del self._waiting[call]
         self.queue_timeouts += 1
-        raise TimedOut()
+        trio.lowlevel.reschedule(call.task, outcome.Error(TimedOut()))
 
     def _timed_out(self, call: _Call) -> None:
         """A running call timed out: its thread is stuck until the source answers."""
@@ -161,8 +199,12 @@ class Calls:
         self.stuck += 1
         self._hung += 1
         if self._hung >= self.limiter.total_tokens:
-            for scope in self._queued:  # no token can come back before the source answers
-                scope.cancel()
+            # No token can come back before the source answers: the queued calls fail now.
+            queue = self._queue
+            self._queue = {}
+            for queued in queue:
+                queued.queued = None
+                self._fail_queued(queued)
 
     async def _watch(self, waiting: dict[_Call, None]) -> None:
         """Fail the calls past their deadline (a system task: ends with its trio run)."""
@@ -172,7 +214,14 @@ class Calls:
             # shortest timeout away: the watchdog need not wake before then.
             first = now + self._idle
             for call in list(waiting):
+                if not call.waiting:
+                    continue  # failed meanwhile (the queue's calls, once all threads hung)
                 if call.deadline <= now:
+                    if call.queued is not None:
+                        call.queued = None
+                        del self._queue[call]
+                        self._fail_queued(call)
+                        continue
                     call.waiting = False
                     del waiting[call]
                     self._timed_out(call)  # its thread runs on until the source answers

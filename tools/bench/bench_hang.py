@@ -21,8 +21,14 @@ tell where the slowest hit waited, it also prints when that hit began against th
 start, the requests the kernel held for the daemon then (/sys/fs/fuse/connections/N/waiting:
 also those in a source call), the daemon's CPU time during the hit and the machine's busy
 share (from /proc), the daemon's worst event-loop stall (stats.json `loop_lag_max_ms`), the
-daemon's CPU per miss in each wave, and how often someone dropped the kernel's dentries
-during the outage (a hit's lookup then asks the source).
+daemon's CPU per miss in each wave (with its share in user mode, and the requests per miss
+by type from stats.json; the daemon's idle CPU per second and the prober's hits and stats
+reads over the wave are in it too: a first wave lasts the timeout, a second far less), and
+how often someone dropped the kernel's dentries during the outage (a hit's lookup then asks
+the source). Each wave also sends one hit once the kernel holds the wave's requests (the
+case a hit at a burst's end meets), with the daemon's loop thread's time meanwhile on a CPU
+and runnable without one (/proc/PID/task/PID/schedstat: the rest is the loop blocked).
+`--attach COMMAND` runs a profiler on the daemon through the waves.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import argparse
 import concurrent.futures
 import errno
 import json
+import math
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -103,9 +111,14 @@ def _cpu() -> tuple[int, int]:
 
 def _cpu_of(pid: int) -> int:
     """The clock ticks process `pid` ran (user + system, all its threads)."""
+    return sum(_user_sys(pid))
+
+
+def _user_sys(pid: int) -> tuple[int, int]:
+    """The clock ticks process `pid` ran in user mode and in the kernel (all its threads)."""
     with open(f"/proc/{pid}/stat") as f:
         rest = f.read().rsplit(")", 1)[1].split()
-    return int(rest[11]) + int(rest[12])
+    return int(rest[11]), int(rest[12])
 
 
 def _drops() -> dict[str, int]:
@@ -123,6 +136,42 @@ def _stats(mnt: Path) -> dict[str, Any]:
     t.start()
     t.join(10)
     return box
+
+
+def _loop_times(pid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of the daemon's main thread, where its
+    event loop runs (/proc/PID/task/PID/schedstat)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        ran, waited, _ = f.read().split()
+    return int(ran), int(waited)
+
+
+class Behind(NamedTuple):
+    """A hit sent behind a wave's burst (`_hit_behind`)."""
+
+    took: float  # its latency (inf: it failed)
+    held: int  # the requests the kernel held for the daemon as it was sent
+    ran: float  # seconds the daemon's loop thread ran meanwhile
+    waited: float  # seconds it was runnable but had no CPU
+
+
+def _hit_behind(
+    barrier: threading.Barrier, path: Path, waiting: Path, burst: int, daemon: int
+) -> Behind:
+    """A hit sent behind a wave's burst: once the kernel holds the wave's requests for the
+    daemon (/sys/fs/fuse/connections/N/waiting, 50 ms at most)."""
+    barrier.wait()
+    t0 = time.monotonic()
+    held = int(waiting.read_text())
+    while held < burst and time.monotonic() - t0 < 0.05:
+        time.sleep(0.0005)
+        held = int(waiting.read_text())
+    ran, waited = _loop_times(daemon)
+    took, err = _read(path)
+    ran1, waited1 = _loop_times(daemon)
+    return Behind(
+        took if err is None else math.inf, held, (ran1 - ran) / 1e9, (waited1 - waited) / 1e9
+    )
 
 
 def _read_together(
@@ -211,6 +260,17 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def _attach(command: str | None, pid: int) -> subprocess.Popen[bytes] | None:
+    """`command` with {pid} the daemon's (a profiler: py-spy, perf) run through the waves,
+    ended with SIGINT after them (on which they write what they saw); None without
+    `--attach`. Not `strace -f`: it cannot let go of threads stuck in a stopped source."""
+    if command is None:
+        return None
+    spy = subprocess.Popen(shlex.split(command.format(pid=pid)), stdout=subprocess.DEVNULL)
+    time.sleep(2)  # attached before the first wave
+    return spy
+
+
 def _resume(mode: str, pid: int) -> None:
     os.kill(pid, signal.SIGCONT if mode == "stop" else signal.SIGUSR2)
 
@@ -230,9 +290,14 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             if args.hang != "readdir":
                 for _ in os.walk(mnt):  # the tree is listed: misses need no listing
                     pass
+            idle = _cpu_of(pid)
             time.sleep(11)  # trio's idle worker threads end after 10 s
+            idle = _cpu_of(pid) - idle
             before = _threads(pid)
-            print(f"mode {args.hang}: daemon threads before the outage: {before}")
+            print(
+                f"mode {args.hang}: daemon threads before the outage: {before}; the daemon ran "
+                f"{idle * 1000 / os.sysconf('SC_CLK_TCK') / 11:.1f} ms of CPU per second idle"
+            )
             drops = _drops()
             os.kill(slow_pid, signal.SIGSTOP if args.hang == "stop" else signal.SIGUSR1)
             resumed = False
@@ -240,14 +305,21 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                 stop, (got_probe, send_probe) = mp.Event(), mp.Pipe(duplex=False)
                 prober = mp.Process(target=_probe, args=(mnt, hot, pid, stop, send_probe))
                 prober.start()
+                spy = _attach(args.attach, pid)
+                waiting = Path(f"/sys/fs/fuse/connections/{os.minor(os.stat(mnt).st_dev)}/waiting")
                 wave_starts = []
                 for w, wave in enumerate(cold):
                     barrier = threading.Barrier(
-                        len(wave), action=lambda: wave_starts.append(time.monotonic())
+                        len(wave) + 1, action=lambda: wave_starts.append(time.monotonic())
                     )
 
-                    pool = concurrent.futures.ThreadPoolExecutor(len(wave))
-                    ticks = _cpu_of(pid)
+                    pool = concurrent.futures.ThreadPoolExecutor(len(wave) + 1)
+                    behind = pool.submit(
+                        _hit_behind, barrier, mnt / hot[w % len(hot)], waiting, len(wave), pid
+                    )
+                    asked = _stats(mnt).get("requests", {})
+                    user, system = _user_sys(pid)
+                    loop = _loop_times(pid)[0]
                     futures = [
                         pool.submit(_read_together, barrier, mnt / rel, args.hang == "readdir")
                         for rel in wave
@@ -255,7 +327,14 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                     done, pending = concurrent.futures.wait(futures, timeout=10 * args.timeout)
                     pool.shutdown(wait=False)
                     got = [f.result() for f in done]
-                    ticks = _cpu_of(pid) - ticks
+                    loop = _loop_times(pid)[0] - loop
+                    user1, system1 = _user_sys(pid)
+                    user, system = user1 - user, system1 - system
+                    ticks = user + system
+                    # The requests the wave sent (and the prober's meanwhile, and one stats
+                    # read): how many requests a miss costs, by type.
+                    answered = _stats(mnt).get("requests", {})
+                    per_miss = {k: (n - asked.get(k, 0)) / len(wave) for k, n in answered.items()}
                     worst = max((t for t, _ in got), default=0.0)
                     eio = sum(e == errno.EIO for _, e in got)
                     other = sorted({e or 0 for _, e in got if e != errno.EIO})
@@ -265,10 +344,24 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                         f"{len(pending)} still waiting after {10 * args.timeout:g} s "
                         f"(asked: every one EIO within {2 * args.timeout:g} s); the daemon "
                         f"ran {ticks * 1000 / os.sysconf('SC_CLK_TCK') / len(wave):.2f} ms of "
-                        "CPU per miss"
+                        f"CPU per miss ({user / max(1, ticks):.0%} in user mode; its loop's "
+                        f"thread {loop / 1e6 / len(wave):.2f} ms)"
+                    )
+                    print(
+                        "    requests per miss: "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_miss.items()) if v)
+                    )
+                    b = behind.result()
+                    print(
+                        f"    a hit sent behind the burst ({b.held} requests held for the daemon): "
+                        f"{b.took * 1e3:.1f} ms (asked: < 100 ms); meanwhile the daemon's loop "
+                        f"ran {b.ran * 1e3:.1f} ms and waited {b.waited * 1e3:.1f} ms for a CPU"
                     )
                     if pending:
                         break
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait()
                 s = _stats(mnt)
                 stop.set()
                 p = got_probe.recv()
@@ -351,6 +444,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=32)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument(
+        "--attach",
+        metavar="COMMAND",
+        help="run COMMAND ({pid}: the daemon's) through the waves, SIGINT after them: e.g. "
+        "'py-spy record --pid {pid} --idle --format speedscope -o hang.json'",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         run(args, Path(tmp))
