@@ -24,6 +24,12 @@ def _face(tmp_path: Path, files: dict[str, bytes], **kw):
     return ops.cache, svc, src
 
 
+def _a(tmp_path: Path):
+    """A face over one file `a` of DATA, and its stat: (face, service, src, stat)."""
+    face, svc, src = _face(tmp_path, {"a": DATA})
+    return face, svc, src, os.lstat(src / "a")
+
+
 async def _open(face: CacheFace, rel: str, st: os.stat_result, lazy: bool = False):
     return await face.open(KEY, rel.encode(), st, 1, lazy=lazy, sig=Signature.of(st))
 
@@ -31,8 +37,7 @@ async def _open(face: CacheFace, rel: str, st: os.stat_result, lazy: bool = Fals
 async def test_a_miss_a_hit_and_a_deferred_miss_each_say_where_their_bytes_are(
     tmp_path: Path,
 ) -> None:
-    face, svc, src = _face(tmp_path, {"a": DATA})
-    st = os.lstat(src / "a")
+    face, svc, src, st = _a(tmp_path)
     miss = await _open(face, "a", st)
     assert miss.data == DATA and miss.later is None and miss.block is None and miss.keep
     hit = await _open(face, "a", st, lazy=True)  # resident: a hit, never deferred
@@ -54,8 +59,7 @@ async def test_a_miss_a_hit_and_a_deferred_miss_each_say_where_their_bytes_are(
 async def test_another_version_at_the_source_raises_changed_and_pins_nothing(
     tmp_path: Path,
 ) -> None:
-    face, svc, src = _face(tmp_path, {"a": DATA})
-    st = os.lstat(src / "a")
+    face, svc, src, st = _a(tmp_path)
     (src / "a").write_bytes(b"new version")
     with pytest.raises(Changed):
         await _open(face, "a", st)
@@ -65,8 +69,7 @@ async def test_another_version_at_the_source_raises_changed_and_pins_nothing(
 async def test_a_deferred_first_read_of_another_version_raises_changed_every_time(
     tmp_path: Path,
 ) -> None:
-    face, svc, src = _face(tmp_path, {"a": DATA})
-    st = os.lstat(src / "a")
+    face, svc, src, st = _a(tmp_path)
     got = await _open(face, "a", st)
     assert got.data is not None
     face.unpin(got.data)
@@ -100,8 +103,7 @@ async def test_a_large_file_is_opened_in_blocks_or_read_through(tmp_path: Path) 
 async def test_the_hit_path_serves_only_what_an_open_verified_until_its_check_is_due(
     tmp_path: Path,
 ) -> None:
-    face, svc, src = _face(tmp_path, {"a": DATA})
-    st = os.lstat(src / "a")
+    face, svc, src, st = _a(tmp_path)
     sig = Signature.of(st)
     got = await _open(face, "a", st)
     assert got.data is not None
