@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import outcome
 import pytest
 
 from shadefs.source import workers as workers_module
 from shadefs.source.workers import Workers
+from tests.conftest import poll
 
 
 class _Box:
@@ -18,19 +18,14 @@ class _Box:
     def __init__(self) -> None:
         self.got: list[outcome.Outcome[object]] = []
         self.threads: list[int] = []
-        self.event = threading.Event()
 
     def deliver(self, result: outcome.Outcome[object]) -> None:
         self.threads.append(threading.get_ident())
         self.got.append(result)
-        self.event.set()
 
     def wait(self, count: int) -> None:
-        deadline = time.monotonic() + 10  # (real threads: a bound, not a speed)
-        while len(self.got) < count:
-            assert time.monotonic() < deadline, "no delivery"
-            self.event.wait(0.01)
-            self.event.clear()
+        # (real threads: the bound is a failure's, not a speed)
+        poll(lambda: len(self.got) >= count, f"{count} deliveries", 10, interval=0.001)
 
 
 def test_a_job_runs_in_a_thread_and_delivers_its_outcome() -> None:
@@ -48,10 +43,8 @@ def test_an_idle_thread_takes_the_next_job_and_a_busy_one_never() -> None:
     workers, box = Workers(), _Box()
     workers.start_soon(lambda: 1, box.deliver)
     box.wait(1)
-    deadline = time.monotonic() + 10
-    while not workers.idle:  # (idle just before its delivery: it is, or will be at once)
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    # (idle just before its delivery: it is, or will be at once)
+    poll(lambda: workers.idle, "the thread idle", 10, interval=0.001)
     workers.start_soon(lambda: 2, box.deliver)
     box.wait(2)
     assert workers.started == 1 and box.threads[0] == box.threads[1]
@@ -71,10 +64,7 @@ def test_an_idle_thread_ends_after_the_idle_timeout(monkeypatch: pytest.MonkeyPa
     workers.start_soon(lambda: threading.get_native_id(), box.deliver)
     box.wait(1)
     tid = box.got[0].unwrap()
-    deadline = time.monotonic() + 10
-    while workers.idle or _alive(tid):
-        assert time.monotonic() < deadline, "the idle thread did not end"
-        time.sleep(0.01)
+    poll(lambda: not workers.idle and not _alive(tid), "the idle thread ended", 10, interval=0.01)
     # The next job starts a thread again.
     workers.start_soon(lambda: 5, box.deliver)
     box.wait(2)
