@@ -296,9 +296,7 @@ class Cache:
             return None
         if lazy and st.st_size and key not in self._flights:  # (empty: no read would come)
             ledger = self.handles
-            return Deferred(
-                self.fetch, ledger.unpin, ledger, ledger.kernel, self.metrics, key, path, st
-            )
+            return Deferred(self.fetch, ledger, ledger.kernel, self.metrics, key, path, st)
         return await self.fetch(key, path, st, pin=False)
 
     async def fetch(self, key: int, path: bytes, st: StatLike, pin: bool = True) -> Entry:

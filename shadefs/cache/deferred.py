@@ -58,7 +58,6 @@ class Deferred:
 
     __slots__ = (
         "_fetch",
-        "_unpin",
         "_ledger",
         "_kernel",
         "_metrics",
@@ -75,7 +74,6 @@ class Deferred:
     def __init__(
         self,
         fetch: Callable[[int, bytes, StatLike], Awaitable[Entry]],
-        unpin: Callable[[bytes], None],
         ledger: HandleLedger,
         kernel: KernelPages,
         metrics: Metrics,
@@ -83,10 +81,9 @@ class Deferred:
         path: bytes,
         st: StatLike,
     ) -> None:
-        """`fetch`: the cache's miss fetch (pinned); `unpin` gives back a pin of bytes that
-        will not be served; `kernel`: which files the kernel may hold pages of."""
+        """`fetch`: the cache's miss fetch (pinned for the handle in `ledger`); `kernel`:
+        which files the kernel may hold pages of."""
         self._fetch = fetch
-        self._unpin = unpin
         self._ledger = ledger
         self._kernel = kernel
         self._metrics = metrics
@@ -136,7 +133,7 @@ class Deferred:
             return memoryview(got.data)
         # Another version than the open answered with keep_cache: never mixed with pages
         # of the old one that the kernel may have served this handle already.
-        self._unpin(got.data)
+        self._ledger.unpin(got.data)
         log.info("%r changed between its open and first read: EIO", self.path)
         raise Changed(self.path)
 
